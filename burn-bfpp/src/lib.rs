@@ -1,0 +1,8 @@
+//! Breadth-first pipeline parallelism for Burn.
+//!
+//! The crate is built as a pipeline of its own: the [`schedule`] IR describes what every rank
+//! does, pure lowering passes add communication, the validator proves the result runs, and the
+//! simulator and the executor consume the same lowered per-rank action lists.
+#![warn(missing_docs)]
+
+pub mod schedule;

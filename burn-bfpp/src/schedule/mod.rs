@@ -1,0 +1,159 @@
+//! The schedule IR: one representation of every pipeline schedule, the passes that lower it,
+//! and the checks that prove it runs.
+//!
+//! A [`PipelineSchedule`] is data: one ordered list of [`Action`]s per rank plus the stage →
+//! rank placement. Generators ([`ScheduleSpec::generate`]) emit compute-only lists; the pure
+//! lowering passes ([`lower_p2p`], [`lower_data_parallel`]) add point-to-point transfers and
+//! data-parallel collectives; [`validate`] checks the result and dry-runs it with blocking
+//! semantics. The simulator and the executor both consume the lowered lists.
+
+mod action;
+mod csv;
+mod generate;
+mod grid;
+mod lower_dp;
+mod lower_p2p;
+mod placement;
+mod replay;
+mod validate;
+
+pub use action::{Action, ActionKind};
+pub use csv::{from_csv, to_csv};
+pub use generate::{ScheduleKind, ScheduleSpec};
+pub use grid::{render_actions, render_grid};
+pub use lower_dp::{
+    collective_counts, lower_data_parallel, CollectiveCounts, DataParallelLowering, ZeroLevel,
+};
+pub use lower_p2p::lower_p2p;
+pub use placement::{rank_stages, split_layers, LayerSplit, Placement};
+pub use replay::{replay, unit_cost, Blocked, ReplayOutcome, TimedAction, Timeline};
+pub use validate::{validate, ValidationReport};
+
+/// Everything that can go wrong building, reading or checking a schedule.
+#[derive(Debug, thiserror::Error)]
+pub enum ScheduleError {
+    /// The requested layout or schedule parameters are not allowed; the text names the fix.
+    #[error("invalid schedule configuration: {0}")]
+    Config(String),
+    /// An action string could not be parsed.
+    #[error("cannot parse action `{text}`: {reason}")]
+    ParseAction {
+        /// The offending text.
+        text: String,
+        /// Why it was rejected and what the format is.
+        reason: String,
+    },
+    /// A CSV schedule file is malformed at a given place.
+    #[error("schedule CSV line {line}, column {column}: {source}")]
+    Csv {
+        /// 1-based line (= rank + 1).
+        line: usize,
+        /// 1-based cell index within the line.
+        column: usize,
+        /// The parse failure of that cell.
+        #[source]
+        source: Box<ScheduleError>,
+    },
+    /// The schedule is structurally wrong or deadlocks; `report` holds the problems and,
+    /// for deadlocks, a time-step × rank grid with the blocked actions marked.
+    #[error("invalid schedule:\n{report}")]
+    Invalid {
+        /// Human-readable diagnosis.
+        report: String,
+    },
+}
+
+/// A pipeline program: one ordered action list per rank, and where each stage lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineSchedule {
+    /// Rank owning each stage, indexed by global stage.
+    pub stage_ranks: Vec<usize>,
+    /// Micro-batches per optimizer step (per data-parallel replica).
+    pub microbatches: usize,
+    /// Each rank's actions in execution order.
+    pub ranks: Vec<Vec<Action>>,
+}
+
+impl PipelineSchedule {
+    /// Number of pipeline ranks.
+    pub fn num_ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Number of stages (pp × loops for generated schedules).
+    pub fn num_stages(&self) -> usize {
+        self.stage_ranks.len()
+    }
+
+    /// Build a schedule from per-rank lists alone (as read from a CSV file), inferring the
+    /// placement from which rank runs each stage and the micro-batch count from the indices.
+    pub fn from_rank_lists(ranks: Vec<Vec<Action>>) -> Result<Self, ScheduleError> {
+        let mut num_stages = 0;
+        let mut microbatches = 0;
+        for action in ranks.iter().flatten() {
+            num_stages = num_stages.max(action.stage + 1);
+            if let Some(mb) = action.microbatch {
+                microbatches = microbatches.max(mb + 1);
+            }
+        }
+        let mut stage_ranks: Vec<Option<usize>> = vec![None; num_stages];
+        for (rank, list) in ranks.iter().enumerate() {
+            for action in list {
+                match stage_ranks[action.stage] {
+                    None => stage_ranks[action.stage] = Some(rank),
+                    Some(owner) if owner != rank => {
+                        return Err(ScheduleError::Invalid {
+                            report: format!(
+                                "stage {} appears on rank {owner} and on rank {rank} (action {action}); \
+                                 every action of a stage must run on the rank that owns it",
+                                action.stage
+                            ),
+                        })
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        let stage_ranks = stage_ranks
+            .into_iter()
+            .enumerate()
+            .map(|(stage, owner)| {
+                owner.ok_or_else(|| ScheduleError::Invalid {
+                    report: format!(
+                        "stage {stage} has no actions on any rank, but stages up to {} do; \
+                         every stage needs its forward and backward",
+                        num_stages - 1
+                    ),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(PipelineSchedule {
+            stage_ranks,
+            microbatches,
+            ranks,
+        })
+    }
+
+    /// The same schedule with only its compute actions (`F`, `B`, `I`, `W`).
+    pub fn compute_only(&self) -> PipelineSchedule {
+        PipelineSchedule {
+            stage_ranks: self.stage_ranks.clone(),
+            microbatches: self.microbatches,
+            ranks: self
+                .ranks
+                .iter()
+                .map(|list| {
+                    list.iter()
+                        .copied()
+                        .filter(|a| a.kind.is_compute())
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    /// True when the lists carry explicit point-to-point transfers.
+    pub fn has_p2p(&self) -> bool {
+        self.ranks.iter().flatten().any(|a| a.kind.is_p2p())
+    }
+}
