@@ -5,4 +5,5 @@
 //! simulator and the executor consume the same lowered per-rank action lists.
 #![warn(missing_docs)]
 
+pub mod comm;
 pub mod schedule;

@@ -1,0 +1,167 @@
+//! Errors of the communication layer and of [`run_ranks`](super::run_ranks).
+
+use std::time::Duration;
+
+use super::CommOp;
+
+/// Why a communication call failed. Every variant names the rank that reports it and, where
+/// one is involved, the peer, the call and the tensor shape, so a log line alone locates the
+/// problem.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CommError {
+    /// A peer did not take part in the call within [`CommConfig::timeout`](super::CommConfig).
+    #[error(
+        "rank {rank}: {action} timed out after {after:?} waiting for rank {peer} (shape {shape:?})"
+    )]
+    Timeout {
+        /// The rank that gave up waiting.
+        rank: usize,
+        /// The world rank it was waiting for.
+        peer: usize,
+        /// The call that timed out.
+        action: CommOp,
+        /// Shape of this rank's tensor in the call (expected shape for a receive).
+        shape: Vec<usize>,
+        /// How long it waited.
+        after: Duration,
+    },
+    /// Another rank failed (or aborted) first; this call stopped instead of waiting forever.
+    #[error(
+        "rank {rank}: {action} (shape {shape:?}) stopped because rank {failed_rank} failed: {cause}"
+    )]
+    PeerFailed {
+        /// The rank reporting the failure.
+        rank: usize,
+        /// The call that was stopped.
+        action: CommOp,
+        /// Shape of this rank's tensor in that call.
+        shape: Vec<usize>,
+        /// The rank that failed first.
+        failed_rank: usize,
+        /// Its error or panic message.
+        cause: String,
+    },
+    /// The peer dropped its communicator (its thread finished) without sending what this call
+    /// waits for, so the call can never complete.
+    #[error(
+        "rank {rank}: {action} (shape {shape:?}) cannot complete: rank {peer} has exited without taking part"
+    )]
+    PeerExited {
+        /// The rank that was waiting.
+        rank: usize,
+        /// The rank that exited.
+        peer: usize,
+        /// The call that cannot complete.
+        action: CommOp,
+        /// Shape of this rank's tensor in the call.
+        shape: Vec<usize>,
+    },
+    /// A peer contributed a tensor whose shape differs from this rank's.
+    #[error(
+        "rank {rank}: {action}: rank {peer} sent shape {actual:?} but this rank expects {expected:?}"
+    )]
+    ShapeMismatch {
+        /// The rank that noticed.
+        rank: usize,
+        /// The rank whose tensor has the wrong shape.
+        peer: usize,
+        /// The call.
+        action: CommOp,
+        /// The shape this rank expected.
+        expected: Vec<usize>,
+        /// The shape the peer sent.
+        actual: Vec<usize>,
+    },
+    /// Members of a group issued different collectives at the same point of their programs.
+    #[error(
+        "rank {rank}: collective #{seq} is {action} but rank {peer} called {peer_action} as its collective #{peer_seq}"
+    )]
+    CollectiveMismatch {
+        /// The rank that noticed.
+        rank: usize,
+        /// The member that disagrees.
+        peer: usize,
+        /// This rank's call.
+        action: CommOp,
+        /// The peer's call.
+        peer_action: CommOp,
+        /// Index of this rank's collective on that group (0-based).
+        seq: u64,
+        /// Index of the peer's collective on that group.
+        peer_seq: u64,
+    },
+    /// The call's arguments are invalid (peer out of range, length not divisible, …).
+    #[error("rank {rank}: {action}: {reason}")]
+    InvalidArgument {
+        /// The rank that made the call.
+        rank: usize,
+        /// The call.
+        action: CommOp,
+        /// What is wrong and what is allowed.
+        reason: String,
+    },
+    /// Tensor data could not be read from the device or is not float data of a kind the
+    /// members agree on.
+    #[error("rank {rank}: {action}: tensor data error: {reason}")]
+    Data {
+        /// The rank that made the call.
+        rank: usize,
+        /// The call.
+        action: CommOp,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The requested world cannot be built.
+    #[error("invalid rank grid pp={pp} × dp={dp}: {reason}")]
+    InvalidGrid {
+        /// Requested pipeline size.
+        pp: usize,
+        /// Requested data-parallel size.
+        dp: usize,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// The root cause of a failed [`run_ranks`](super::run_ranks): the first rank that failed,
+/// panicked or aborted. Errors of the other ranks are consequences (usually
+/// [`CommError::PeerFailed`]) and are not reported.
+#[derive(Debug, thiserror::Error)]
+pub enum RankError<E> {
+    /// The rank's closure returned an error.
+    #[error("rank {rank} failed: {error}")]
+    Failed {
+        /// The failing rank.
+        rank: usize,
+        /// Its error.
+        error: E,
+    },
+    /// The rank's closure panicked.
+    #[error("rank {rank} panicked: {message}")]
+    Panicked {
+        /// The panicking rank.
+        rank: usize,
+        /// The panic message.
+        message: String,
+    },
+    /// The rank aborted the world (or its communication failed) but its closure did not
+    /// return an error, or its thread could not be started.
+    #[error("rank {rank} aborted the run: {cause}")]
+    Aborted {
+        /// The aborting rank.
+        rank: usize,
+        /// The recorded cause.
+        cause: String,
+    },
+}
+
+impl<E> RankError<E> {
+    /// The rank that caused the failure.
+    pub fn rank(&self) -> usize {
+        match self {
+            RankError::Failed { rank, .. }
+            | RankError::Panicked { rank, .. }
+            | RankError::Aborted { rank, .. } => *rank,
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! [`LocalComm`]: ranks are threads of one process, each with its own Burn device.
+//!
+//! Tensors travel as host data through the [`Mailbox`] layer: a tensor leaves its device on
+//! the sending thread and is rebuilt on the receiving rank's device. Collectives are built from
+//! one exchange round each; reductions happen on the host in group-rank order (see
+//! [`host`]), which is what makes them deterministic.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use super::host::{self, HostBuf};
+use super::mailbox::{Envelope, Mailbox, Payload, Shared, Stream};
+use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
+
+/// A rank of a world whose ranks are threads of this process.
+///
+/// Created only by [`LocalComm::create`] / [`LocalComm::create_with_devices`], which return
+/// one communicator per rank to move into that rank's thread. The communicator is `Send` but
+/// not `Sync`: it belongs to one thread. Dropping it tells the others this rank has exited, so
+/// a peer still waiting on it fails with [`CommError::PeerExited`] instead of timing out;
+/// dropping it while panicking aborts the world.
+pub struct LocalComm<B: Backend> {
+    grid: RankGrid,
+    device: B::Device,
+    config: CommConfig,
+    mbox: Mailbox,
+}
+
+impl<B: Backend> fmt::Debug for LocalComm<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalComm")
+            .field("rank", &self.mbox.rank())
+            .field("grid", &self.grid)
+            .field("device", &self.device)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> LocalComm<B> {
+    /// One communicator per world rank (index = world rank), all on the backend's default
+    /// device.
+    pub fn create(grid: RankGrid, config: CommConfig) -> Vec<Self> {
+        let devices = vec![B::Device::default(); grid.world_size()];
+        Self::build(grid, devices, config)
+    }
+
+    /// One communicator per world rank (index = world rank); rank `r` computes on
+    /// `devices[r]`, so `devices` must hold exactly `grid.world_size()` devices.
+    pub fn create_with_devices(
+        grid: RankGrid,
+        devices: Vec<B::Device>,
+        config: CommConfig,
+    ) -> Result<Vec<Self>, CommError> {
+        if devices.len() != grid.world_size() {
+            return Err(CommError::InvalidGrid {
+                pp: grid.pp(),
+                dp: grid.dp(),
+                reason: format!(
+                    "{} devices given for a world of {} ranks",
+                    devices.len(),
+                    grid.world_size()
+                ),
+            });
+        }
+        Ok(Self::build(grid, devices, config))
+    }
+
+    fn build(grid: RankGrid, devices: Vec<B::Device>, config: CommConfig) -> Vec<Self> {
+        Mailbox::world(grid.world_size(), config)
+            .into_iter()
+            .zip(devices)
+            .map(|(mbox, device)| LocalComm {
+                grid,
+                device,
+                config,
+                mbox,
+            })
+            .collect()
+    }
+
+    /// The configuration this world was created with.
+    pub fn config(&self) -> CommConfig {
+        self.config
+    }
+
+    /// The world's first recorded failure as `(rank, cause)`, if any rank has failed.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.mbox.shared().failure()
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        self.mbox.shared()
+    }
+
+    fn invalid(&self, action: CommOp, reason: String) -> CommError {
+        self.mbox.fail(CommError::InvalidArgument {
+            rank: self.mbox.rank(),
+            action,
+            reason,
+        })
+    }
+
+    fn data_error(&self, action: CommOp, reason: String) -> CommError {
+        self.mbox.fail(CommError::Data {
+            rank: self.mbox.rank(),
+            action,
+            reason,
+        })
+    }
+
+    fn shape_mismatch(
+        &self,
+        peer: usize,
+        action: CommOp,
+        expected: &[usize],
+        actual: &[usize],
+    ) -> CommError {
+        self.mbox.fail(CommError::ShapeMismatch {
+            rank: self.mbox.rank(),
+            peer,
+            action,
+            expected: expected.to_vec(),
+            actual: actual.to_vec(),
+        })
+    }
+
+    /// Reads a tensor back to the host.
+    fn read<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        action: CommOp,
+    ) -> Result<TensorData, CommError> {
+        tensor
+            .try_into_data()
+            .map_err(|e| self.data_error(action, e.to_string()))
+    }
+
+    /// Reads a tensor into a shareable collective contribution.
+    fn read_host<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        action: CommOp,
+    ) -> Result<Arc<HostBuf>, CommError> {
+        let data = self.read(tensor, action)?;
+        HostBuf::from_data(data)
+            .map(Arc::new)
+            .map_err(|reason| self.data_error(action, reason))
+    }
+
+    /// Puts host data on this rank's device with the sender's dtype.
+    fn build_tensor<const D: usize>(&self, data: TensorData) -> Tensor<B, D> {
+        let dtype = data.dtype;
+        Tensor::from_data(data, (&self.device, dtype))
+    }
+
+    /// Exchanges this rank's contribution with every other member of `group` and returns all
+    /// contributions in group-rank order, together with the members' world ranks.
+    fn gather_contributions(
+        &self,
+        group: Group,
+        action: CommOp,
+        shape: &[usize],
+        mine: Arc<HostBuf>,
+    ) -> Result<(Vec<Arc<HostBuf>>, Vec<usize>), CommError> {
+        let members = self.group_members(group);
+        let others: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|&r| r != self.mbox.rank())
+            .collect();
+        let received = self.mbox.exchange(
+            group,
+            action,
+            shape,
+            Payload::Shared(Arc::clone(&mine)),
+            &others,
+            &others,
+        )?;
+        let mut received = others.iter().copied().zip(received);
+        let mut parts = Vec::with_capacity(members.len());
+        for &member in &members {
+            if member == self.mbox.rank() {
+                parts.push(Arc::clone(&mine));
+                continue;
+            }
+            match received.next() {
+                Some((src, Payload::Shared(buf))) if src == member => parts.push(buf),
+                _ => {
+                    return Err(
+                        self.data_error(action, format!("no contribution from rank {member}"))
+                    );
+                }
+            }
+        }
+        Ok((parts, members))
+    }
+
+    /// Shared part of all-reduce and reduce-scatter: reduces elements `range` of the members'
+    /// equal-shape contributions into a tensor of shape `out_shape`.
+    fn reduce<const D: usize, const DO: usize>(
+        &self,
+        group: Group,
+        action: CommOp,
+        tensor: Tensor<B, D>,
+        op: ReduceOp,
+        range: Range<usize>,
+        out_shape: Vec<usize>,
+    ) -> Result<Tensor<B, DO>, CommError> {
+        let shape = tensor.dims().to_vec();
+        let mine = self.read_host(tensor, action)?;
+        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
+        for (part, &member) in parts.iter().zip(&members) {
+            if part.shape != shape {
+                return Err(self.shape_mismatch(member, action, &shape, &part.shape));
+            }
+        }
+        let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
+        let out = host::reduce(&refs, range, op, out_shape).map_err(|(i, reason)| {
+            self.data_error(action, format!("rank {}: {reason}", members[i]))
+        })?;
+        Ok(self.build_tensor(out.into_data()))
+    }
+}
+
+impl<B: Backend> Communicator<B> for LocalComm<B> {
+    fn grid(&self) -> RankGrid {
+        self.grid
+    }
+
+    fn rank(&self) -> usize {
+        self.mbox.rank()
+    }
+
+    fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    fn send<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        tensor: Tensor<B, D>,
+    ) -> Result<(), CommError> {
+        let action = CommOp::Send { tag };
+        let shape = tensor.dims().to_vec();
+        self.mbox.check_abort(action, &shape)?;
+        if peer >= self.world_size() {
+            return Err(self.invalid(
+                action,
+                format!(
+                    "peer {peer} is not a rank of a world of {}",
+                    self.world_size()
+                ),
+            ));
+        }
+        let data = self.read(tensor, action)?;
+        if !data.dtype.is_float() {
+            return Err(
+                self.data_error(action, format!("expected float data, got {:?}", data.dtype))
+            );
+        }
+        let env = Envelope {
+            src: self.mbox.rank(),
+            stream: Stream::P2p(tag),
+            seq: 0,
+            op: action,
+            payload: Payload::Tensor(data),
+        };
+        self.mbox.post(peer, env, &shape)
+    }
+
+    fn recv<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        shape: [usize; D],
+    ) -> Result<Tensor<B, D>, CommError> {
+        let action = CommOp::Recv { tag };
+        self.mbox.check_abort(action, &shape)?;
+        if peer >= self.world_size() {
+            return Err(self.invalid(
+                action,
+                format!(
+                    "peer {peer} is not a rank of a world of {}",
+                    self.world_size()
+                ),
+            ));
+        }
+        let env = self
+            .mbox
+            .wait(peer, Stream::P2p(tag), action, &shape, Instant::now())?;
+        let Payload::Tensor(data) = env.payload else {
+            return Err(self.data_error(action, format!("rank {peer} sent no tensor")));
+        };
+        if data.shape.as_slice() != shape.as_slice() {
+            return Err(self.shape_mismatch(peer, action, &shape, data.shape.as_slice()));
+        }
+        Ok(self.build_tensor(data))
+    }
+
+    fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError> {
+        let action = CommOp::AllGather(group);
+        let shape = shard.dims().to_vec();
+        self.mbox.check_abort(action, &shape)?;
+        if self.group_size(group) == 1 {
+            self.mbox.next_seq(group);
+            return Ok(shard);
+        }
+        let mine = self.read_host(shard, action)?;
+        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
+        for (part, &member) in parts.iter().zip(&members) {
+            if part.shape != shape {
+                return Err(self.shape_mismatch(member, action, &shape, &part.shape));
+            }
+        }
+        let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
+        let out = host::concat(&refs).map_err(|(i, reason)| {
+            self.data_error(action, format!("rank {}: {reason}", members[i]))
+        })?;
+        Ok(self.build_tensor(out.into_data()))
+    }
+
+    fn reduce_scatter(
+        &self,
+        group: Group,
+        tensor: Tensor<B, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let action = CommOp::ReduceScatter(group, op);
+        let [len] = tensor.dims();
+        self.mbox.check_abort(action, &[len])?;
+        let size = self.group_size(group);
+        if len % size != 0 {
+            return Err(self.invalid(
+                action,
+                format!("length {len} is not divisible by the group size {size}"),
+            ));
+        }
+        if size == 1 {
+            // x / 1 == x exactly, so the mean needs no arithmetic either.
+            self.mbox.next_seq(group);
+            return Ok(tensor);
+        }
+        let chunk = len / size;
+        let start = self.group_rank(group) * chunk;
+        self.reduce(group, action, tensor, op, start..start + chunk, vec![chunk])
+    }
+
+    fn all_reduce<const D: usize>(
+        &self,
+        group: Group,
+        tensor: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let action = CommOp::AllReduce(group, op);
+        let shape = tensor.dims().to_vec();
+        self.mbox.check_abort(action, &shape)?;
+        if self.group_size(group) == 1 {
+            self.mbox.next_seq(group);
+            return Ok(tensor);
+        }
+        let len = shape.iter().product();
+        self.reduce(group, action, tensor, op, 0..len, shape)
+    }
+
+    fn broadcast<const D: usize>(
+        &self,
+        group: Group,
+        root: usize,
+        tensor: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let action = CommOp::Broadcast(group, root);
+        let shape = tensor.dims().to_vec();
+        self.mbox.check_abort(action, &shape)?;
+        let size = self.group_size(group);
+        if root >= size {
+            return Err(self.invalid(
+                action,
+                format!("root {root} is not a member of a group of {size}"),
+            ));
+        }
+        let members = self.group_members(group);
+        let root_rank = members[root];
+        if root_rank == self.mbox.rank() {
+            let others: Vec<usize> = members
+                .into_iter()
+                .filter(|&r| r != self.mbox.rank())
+                .collect();
+            if !others.is_empty() {
+                let mine = self.read_host(tensor.clone(), action)?;
+                self.mbox
+                    .exchange(group, action, &shape, Payload::Shared(mine), &others, &[])?;
+            } else {
+                self.mbox.next_seq(group);
+            }
+            return Ok(tensor);
+        }
+        let received =
+            self.mbox
+                .exchange(group, action, &shape, Payload::Empty, &[], &[root_rank])?;
+        let Some(Payload::Shared(buf)) = received.into_iter().next() else {
+            return Err(self.data_error(action, format!("rank {root_rank} sent no tensor")));
+        };
+        if buf.shape != shape {
+            return Err(self.shape_mismatch(root_rank, action, &shape, &buf.shape));
+        }
+        Ok(self.build_tensor(HostBuf::clone(&buf).into_data()))
+    }
+
+    fn barrier(&self, group: Group) -> Result<(), CommError> {
+        let action = CommOp::Barrier(group);
+        self.mbox.check_abort(action, &[])?;
+        let others: Vec<usize> = self
+            .group_members(group)
+            .into_iter()
+            .filter(|&r| r != self.mbox.rank())
+            .collect();
+        self.mbox
+            .exchange(group, action, &[], Payload::Empty, &others, &others)?;
+        Ok(())
+    }
+
+    fn abort(&self, cause: &str) {
+        self.mbox
+            .shared()
+            .abort(self.mbox.rank(), cause.to_string());
+    }
+}

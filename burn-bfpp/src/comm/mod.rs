@@ -1,0 +1,344 @@
+//! Communication between ranks: point-to-point transfers for the pipeline dimension and
+//! collectives for the data-parallel (sharded) dimension.
+//!
+//! # Rank grid
+//!
+//! The world is a `pp × dp` grid ([`RankGrid`]). A rank's coordinates are its *pipeline index*
+//! (which pipeline rank it is, `0..pp`) and its *data-parallel index* (which replica of the
+//! pipeline it belongs to, `0..dp`), and
+//!
+//! ```text
+//! world rank = dp_index * pp + pp_index
+//! ```
+//!
+//! so the ranks of one pipeline are contiguous. A rank belongs to two groups ([`Group`]):
+//! its **pipeline group** (the `pp` ranks with its dp index, group rank = pp index) and its
+//! **data-parallel group** (the `dp` ranks with its pp index, group rank = dp index).
+//!
+//! # Semantics every [`Communicator`] follows
+//!
+//! * **Point-to-point** transfers name the peer by *world* rank and carry a `tag`; a receive
+//!   takes the oldest message from that peer with that tag, so transfers with different tags
+//!   may be received in any order. Sends never block.
+//! * **Collectives** are issued by every member of the group in the same order (as with NCCL
+//!   or MPI); a member calling a different collective is detected and reported.
+//! * **Deterministic reductions**: sums are taken element by element in group-rank order
+//!   (`((x0 + x1) + x2) + …`, then `/ n` for [`ReduceOp::Mean`]), so every member gets bitwise
+//!   identical results, runs are reproducible, and reduce-scatter followed by all-gather is
+//!   bitwise identical to all-reduce.
+//! * **Fail-stop**: every blocking call has a timeout ([`CommConfig::timeout`]); any error on
+//!   any rank (including a timeout or a panic) aborts the whole world, and every other rank's
+//!   next or current communication call fails promptly with [`CommError::PeerFailed`] naming
+//!   the rank that failed first and its cause — never a hang.
+//!
+//! [`LocalComm`] implements the trait for ranks that are threads of one process, each with its
+//! own Burn device; [`run_ranks`] runs one closure per rank on such a world and turns failures
+//! and panics into one error naming the rank that caused them.
+
+mod error;
+mod host;
+mod local;
+mod mailbox;
+mod threads;
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_failure;
+
+use std::fmt;
+use std::time::Duration;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+pub use error::{CommError, RankError};
+pub use local::LocalComm;
+pub use threads::run_ranks;
+
+/// Which of a rank's two groups a collective runs over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// The ranks of one pipeline: same data-parallel index, group rank = pipeline index.
+    Pipeline,
+    /// The replicas of one pipeline rank: same pipeline index, group rank = data-parallel index.
+    DataParallel,
+}
+
+impl fmt::Display for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Group::Pipeline => f.write_str("pipeline group"),
+            Group::DataParallel => f.write_str("data-parallel group"),
+        }
+    }
+}
+
+/// How a reduction combines the members' contributions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum, taken in group-rank order.
+    Sum,
+    /// The group-rank-ordered sum divided by the group size.
+    Mean,
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReduceOp::Sum => f.write_str("sum"),
+            ReduceOp::Mean => f.write_str("mean"),
+        }
+    }
+}
+
+/// One communication call, as named in errors and checked between collective members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CommOp {
+    /// Point-to-point send with a tag.
+    Send {
+        /// The message tag.
+        tag: u64,
+    },
+    /// Point-to-point receive with a tag.
+    Recv {
+        /// The message tag.
+        tag: u64,
+    },
+    /// All-gather of 1-D shards over a group.
+    AllGather(Group),
+    /// Reduce-scatter of a 1-D tensor over a group.
+    ReduceScatter(Group, ReduceOp),
+    /// All-reduce over a group.
+    AllReduce(Group, ReduceOp),
+    /// Broadcast from the member with the given group rank.
+    Broadcast(Group, usize),
+    /// Barrier over a group.
+    Barrier(Group),
+}
+
+impl fmt::Display for CommOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CommOp::Send { tag } => write!(f, "send (tag {tag})"),
+            CommOp::Recv { tag } => write!(f, "recv (tag {tag})"),
+            CommOp::AllGather(g) => write!(f, "all-gather on the {g}"),
+            CommOp::ReduceScatter(g, op) => write!(f, "reduce-scatter ({op}) on the {g}"),
+            CommOp::AllReduce(g, op) => write!(f, "all-reduce ({op}) on the {g}"),
+            CommOp::Broadcast(g, root) => write!(f, "broadcast from group rank {root} on the {g}"),
+            CommOp::Barrier(g) => write!(f, "barrier on the {g}"),
+        }
+    }
+}
+
+/// Settings shared by all ranks of a world.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommConfig {
+    /// Longest time one blocking call may wait for its peers before failing with
+    /// [`CommError::Timeout`]. Default 300 s: long enough for a slow first step (kernel
+    /// compilation, autotuning), short enough that a lost message does not hang a job forever.
+    pub timeout: Duration,
+    /// How often a waiting rank wakes up to look for an abort or a departed peer. Bounds how
+    /// quickly failures propagate; default 10 ms.
+    pub poll_interval: Duration,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            timeout: Duration::from_secs(300),
+            poll_interval: Duration::from_millis(10),
+        }
+    }
+}
+
+impl CommConfig {
+    /// The default configuration with another timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        CommConfig {
+            timeout,
+            ..CommConfig::default()
+        }
+    }
+}
+
+/// The `pp × dp` arrangement of world ranks; see the [module docs](self) for the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RankGrid {
+    pp: usize,
+    dp: usize,
+}
+
+impl RankGrid {
+    /// A grid of `pp` pipeline ranks times `dp` data-parallel replicas; both must be non-zero.
+    pub fn new(pp: usize, dp: usize) -> Result<Self, CommError> {
+        if pp == 0 || dp == 0 {
+            return Err(CommError::InvalidGrid {
+                pp,
+                dp,
+                reason: "both sizes must be at least 1".into(),
+            });
+        }
+        if pp.checked_mul(dp).is_none() {
+            return Err(CommError::InvalidGrid {
+                pp,
+                dp,
+                reason: "the world size overflows".into(),
+            });
+        }
+        Ok(RankGrid { pp, dp })
+    }
+
+    /// Number of pipeline ranks (size of every pipeline group).
+    pub fn pp(&self) -> usize {
+        self.pp
+    }
+
+    /// Number of data-parallel replicas (size of every data-parallel group).
+    pub fn dp(&self) -> usize {
+        self.dp
+    }
+
+    /// Total number of ranks, `pp * dp`.
+    pub fn world_size(&self) -> usize {
+        self.pp * self.dp
+    }
+
+    /// World rank of the given coordinates: `dp_index * pp + pp_index`.
+    pub fn rank_of(&self, pp_index: usize, dp_index: usize) -> usize {
+        dp_index * self.pp + pp_index
+    }
+
+    /// Pipeline index (`0..pp`) of a world rank.
+    pub fn pp_index(&self, rank: usize) -> usize {
+        rank % self.pp
+    }
+
+    /// Data-parallel index (`0..dp`) of a world rank.
+    pub fn dp_index(&self, rank: usize) -> usize {
+        rank / self.pp
+    }
+
+    /// Number of members of a group of the given kind.
+    pub fn group_size(&self, group: Group) -> usize {
+        match group {
+            Group::Pipeline => self.pp,
+            Group::DataParallel => self.dp,
+        }
+    }
+
+    /// Position of `rank` within its group of the given kind.
+    pub fn group_rank(&self, rank: usize, group: Group) -> usize {
+        match group {
+            Group::Pipeline => self.pp_index(rank),
+            Group::DataParallel => self.dp_index(rank),
+        }
+    }
+
+    /// World rank of the member with `group_rank` in `rank`'s group of the given kind.
+    pub fn group_member(&self, rank: usize, group: Group, group_rank: usize) -> usize {
+        match group {
+            Group::Pipeline => self.rank_of(group_rank, self.dp_index(rank)),
+            Group::DataParallel => self.rank_of(self.pp_index(rank), group_rank),
+        }
+    }
+
+    /// World ranks of `rank`'s group of the given kind, in group-rank order.
+    pub fn group_members(&self, rank: usize, group: Group) -> Vec<usize> {
+        (0..self.group_size(group))
+            .map(|g| self.group_member(rank, group, g))
+            .collect()
+    }
+}
+
+/// One rank's handle on the world: point-to-point transfers and group collectives.
+///
+/// Every call blocks at most [`CommConfig::timeout`]; any error is fatal for the whole world
+/// (see the [module docs](self)). Tensors cross ranks as host data and are rebuilt on the
+/// receiving rank's [`device`](Communicator::device) with the sender's float dtype.
+pub trait Communicator<B: Backend> {
+    /// The grid this rank belongs to.
+    fn grid(&self) -> RankGrid;
+
+    /// This rank's world rank.
+    fn rank(&self) -> usize;
+
+    /// The device this rank computes on; received tensors are created here.
+    fn device(&self) -> &B::Device;
+
+    /// Number of ranks in the world.
+    fn world_size(&self) -> usize {
+        self.grid().world_size()
+    }
+
+    /// This rank's position within its group of the given kind.
+    fn group_rank(&self, group: Group) -> usize {
+        self.grid().group_rank(self.rank(), group)
+    }
+
+    /// Number of members of this rank's group of the given kind.
+    fn group_size(&self, group: Group) -> usize {
+        self.grid().group_size(group)
+    }
+
+    /// World ranks of this rank's group of the given kind, in group-rank order.
+    fn group_members(&self, group: Group) -> Vec<usize> {
+        self.grid().group_members(self.rank(), group)
+    }
+
+    /// Sends a float tensor of any shape to world rank `peer` (which may be this rank).
+    /// Does not block.
+    fn send<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        tensor: Tensor<B, D>,
+    ) -> Result<(), CommError>;
+
+    /// Receives the oldest tensor sent by world rank `peer` with `tag`; its shape must be
+    /// `shape`, which is also what errors report while waiting.
+    fn recv<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        shape: [usize; D],
+    ) -> Result<Tensor<B, D>, CommError>;
+
+    /// Concatenates the members' equal-length 1-D shards in group-rank order; every member
+    /// gets the full buffer.
+    fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError>;
+
+    /// Reduces the members' equal-length 1-D tensors (length divisible by the group size) and
+    /// returns chunk number `group_rank` of the result.
+    fn reduce_scatter(
+        &self,
+        group: Group,
+        tensor: Tensor<B, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, 1>, CommError>;
+
+    /// Reduces the members' equal-shape tensors; every member gets the full result.
+    fn all_reduce<const D: usize>(
+        &self,
+        group: Group,
+        tensor: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError>;
+
+    /// Every member gets the tensor of the member with group rank `root`. Non-root members
+    /// pass a tensor of the same shape; only its shape is used.
+    fn broadcast<const D: usize>(
+        &self,
+        group: Group,
+        root: usize,
+        tensor: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, CommError>;
+
+    /// Returns once every member of the group has entered the barrier.
+    fn barrier(&self, group: Group) -> Result<(), CommError>;
+
+    /// Stops the whole world: every rank's pending and later calls fail with
+    /// [`CommError::PeerFailed`] naming this rank and `cause`. Only the first abort of a world
+    /// is recorded, so the reported cause is the root cause.
+    fn abort(&self, cause: &str);
+}
