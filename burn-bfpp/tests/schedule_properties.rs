@@ -4,7 +4,7 @@
 
 use burn_bfpp::schedule::{
     collective_counts, from_csv, lower_data_parallel, lower_p2p, replay, to_csv, unit_cost,
-    validate, DataParallelLowering, Placement, ScheduleKind, ScheduleSpec, ZeroLevel,
+    validate, DataParallelLowering, Placement, ScheduleKind, ScheduleSpec, SendMode, ZeroLevel,
 };
 use proptest::prelude::*;
 
@@ -61,7 +61,7 @@ proptest! {
         let k = spec.bf_microbatches.unwrap_or(spec.microbatches);
         let want = expected_makespan(kind, spec.pp, spec.loops, spec.microbatches, k);
         prop_assert_eq!(report.makespan, want as f64, "{:?}", spec);
-        let replayed = replay(&s, unit_cost).unwrap();
+        let replayed = replay(&s, SendMode::Eager, unit_cost).unwrap();
         prop_assert!(replayed.completed());
         prop_assert_eq!(replayed.timeline.makespan(), report.makespan);
     }
@@ -74,14 +74,15 @@ proptest! {
         let spec = spec(kind, p, v, m, k_pick, hybrid);
         let s = spec.generate().unwrap();
         let p2p = lower_p2p(&s).unwrap();
-        validate(&p2p).unwrap();
+        // Transfers placed by the pass must not delay any compute (with eager sends).
+        prop_assert_eq!(validate(&p2p).unwrap().makespan, validate(&s).unwrap().makespan);
         let cfg = DataParallelLowering {
             zero: ZeroLevel::from_number(zero).unwrap(),
             weight_buffers: buffers,
             grad_buffers: buffers,
         };
         let lowered = lower_data_parallel(&p2p, &cfg).unwrap();
-        validate(&lowered).unwrap();
+        prop_assert_eq!(validate(&lowered).unwrap().makespan, validate(&s).unwrap().makespan);
         prop_assert_eq!(lowered.compute_only(), s.clone());
         prop_assert_eq!(from_csv(&to_csv(&lowered)).unwrap(), lowered);
         prop_assert_eq!(from_csv(&to_csv(&s)).unwrap(), s);

@@ -7,6 +7,9 @@ use std::str::FromStr;
 use super::placement::{rank_stages, Placement};
 use super::{Action, PipelineSchedule, ScheduleError};
 
+/// Largest schedule generated (2²⁴ compute actions, a few hundred MiB once lowered).
+pub const MAX_COMPUTE_ACTIONS: usize = 1 << 24;
+
 /// The schedule families this crate generates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ScheduleKind {
@@ -115,6 +118,20 @@ impl ScheduleSpec {
         }
         if self.microbatches == 0 {
             return err("microbatches must be at least 1; try --microbatches 1".into());
+        }
+        // Two compute actions per (stage, micro-batch); refuse sizes that would overflow or
+        // exhaust memory before anything is allocated.
+        let computes = self
+            .pp
+            .checked_mul(self.loops)
+            .and_then(|n| n.checked_mul(self.microbatches))
+            .and_then(|n| n.checked_mul(2));
+        if computes.is_none_or(|n| n > MAX_COMPUTE_ACTIONS) {
+            return err(format!(
+                "pp={} × loops={} × microbatches={} needs more than {MAX_COMPUTE_ACTIONS} compute \
+                 actions; lower pp, loops or microbatches",
+                self.pp, self.loops, self.microbatches
+            ));
         }
         match self.kind {
             ScheduleKind::GPipe | ScheduleKind::OneFOneB if self.loops != 1 => {
@@ -323,6 +340,13 @@ mod tests {
             .contains("interleaved needs microbatches to be a multiple of pp=4; try 8"));
         assert!(msg(ScheduleSpec::new(ScheduleKind::GPipe, 4, 2, 4)).contains("--loops 1"));
         assert!(msg(ScheduleSpec::new(ScheduleKind::GPipe, 0, 1, 4)).contains("--pp 1"));
+        assert!(msg(ScheduleSpec::new(
+            ScheduleKind::BreadthFirst,
+            usize::MAX,
+            8,
+            4
+        ))
+        .contains("lower pp, loops or microbatches"));
         assert!(msg(ScheduleSpec::new(ScheduleKind::GPipe, 2, 1, 0)).contains("--microbatches 1"));
         assert!(msg(
             ScheduleSpec::new(ScheduleKind::BreadthFirst, 2, 2, 12).with_bf_microbatches(5)

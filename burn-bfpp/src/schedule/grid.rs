@@ -5,7 +5,9 @@
 
 use std::fmt::Write as _;
 
-use super::{replay, unit_cost, PipelineSchedule, ReplayOutcome, ScheduleError, Timeline};
+use super::{
+    replay, unit_cost, PipelineSchedule, ReplayOutcome, ScheduleError, SendMode, Timeline,
+};
 
 /// Mark of a rank that is idle during a time step.
 const IDLE: &str = ".";
@@ -37,7 +39,7 @@ pub fn render_actions(schedule: &PipelineSchedule) -> String {
 /// and what every blocked rank waits for.
 pub fn render_grid(schedule: &PipelineSchedule) -> Result<String, ScheduleError> {
     let compute = schedule.compute_only();
-    let outcome = replay(&compute, unit_cost)?;
+    let outcome = replay(&compute, SendMode::Eager, unit_cost)?;
     if !outcome.completed() {
         return Err(ScheduleError::Invalid {
             report: deadlock_report(&compute, &outcome),

@@ -14,7 +14,7 @@
 use std::cmp::Ordering;
 
 use super::grid::deadlock_report;
-use super::{replay, unit_cost, Action, ActionKind, PipelineSchedule, ScheduleError};
+use super::{replay, unit_cost, Action, ActionKind, PipelineSchedule, ScheduleError, SendMode};
 
 /// Position of an event in the global order; see the module docs.
 #[derive(Debug, Clone, Copy)]
@@ -52,7 +52,7 @@ pub fn lower_p2p(schedule: &PipelineSchedule) -> Result<PipelineSchedule, Schedu
              schedule, or strip it with PipelineSchedule::compute_only first"
         )));
     }
-    let outcome = replay(schedule, unit_cost)?;
+    let outcome = replay(schedule, SendMode::Blocking, unit_cost)?;
     if !outcome.completed() {
         return Err(ScheduleError::Invalid {
             report: deadlock_report(schedule, &outcome),

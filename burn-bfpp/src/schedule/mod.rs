@@ -26,7 +26,7 @@ pub use lower_dp::{
 };
 pub use lower_p2p::lower_p2p;
 pub use placement::{rank_stages, split_layers, LayerSplit, Placement};
-pub use replay::{replay, unit_cost, Blocked, ReplayOutcome, TimedAction, Timeline};
+pub use replay::{replay, unit_cost, Blocked, ReplayOutcome, SendMode, TimedAction, Timeline};
 pub use validate::{validate, ValidationReport};
 
 /// Everything that can go wrong building, reading or checking a schedule.

@@ -68,6 +68,19 @@ impl ReplayOutcome {
     }
 }
 
+/// How a send behaves in a replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendMode {
+    /// A send blocks until its receive is posted, and both complete together (rendezvous).
+    /// The strictest semantics: a schedule that completes under it completes under any
+    /// buffering, so the validator uses it to prove deadlock freedom.
+    Blocking,
+    /// A send completes when issued; its data reaches the receiver after the send's cost, and
+    /// the receive completes once the data is there. This is how the executor and the
+    /// simulator move activations, so timings (makespan, bubble) come from this mode.
+    Eager,
+}
+
 /// The unit cost model of the closed forms: a stage forward takes 1, a full backward 2, the
 /// split halves `I` and `W` 1 each; transfers and collectives are free.
 pub fn unit_cost(_rank: usize, action: &Action) -> f64 {
@@ -88,6 +101,9 @@ struct Facts {
     input_grad: Vec<f64>,
     recv_forward: Vec<f64>,
     recv_backward: Vec<f64>,
+    /// Eager mode: arrival time of the data a stage's `RECV_F` / `RECV_B` waits for.
+    arrived_forward: Vec<f64>,
+    arrived_backward: Vec<f64>,
 }
 
 impl Facts {
@@ -99,6 +115,8 @@ impl Facts {
             input_grad: vec![NOT_DONE; n],
             recv_forward: vec![NOT_DONE; n],
             recv_backward: vec![NOT_DONE; n],
+            arrived_forward: vec![NOT_DONE; n],
+            arrived_backward: vec![NOT_DONE; n],
         }
     }
     fn idx(&self, stage: usize, mb: usize) -> usize {
@@ -118,6 +136,7 @@ struct Replayer<'a, C: Fn(usize, &Action) -> f64> {
     sched: &'a PipelineSchedule,
     cost: C,
     explicit_p2p: bool,
+    mode: SendMode,
     pos: Vec<usize>,
     clock: Vec<f64>,
     facts: Facts,
@@ -256,6 +275,9 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
             let Some((want, peer)) = self.partner_of(&a) else {
                 return Step::Blocked(format!("{a} has no peer stage; nothing can match it"));
             };
+            if self.mode == SendMode::Eager {
+                return self.eager_p2p(rank, a, want, peer, ready);
+            }
             if self.head(peer) != Some(&want) {
                 return Step::Blocked(format!(
                     "waits for rank {peer} to reach {want} ({})",
@@ -299,6 +321,40 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
         Step::Ran { partner: None }
     }
 
+    /// A transfer under [`SendMode::Eager`]: sends never wait; receives wait for the data.
+    fn eager_p2p(&mut self, rank: usize, a: Action, want: Action, peer: usize, ready: f64) -> Step {
+        let cost = (self.cost)(rank, &a);
+        let is_send = matches!(a.kind, ActionKind::SendForward | ActionKind::SendBackward);
+        if is_send {
+            let slot = self.facts.idx(want.stage, want.mb());
+            let table = if a.kind == ActionKind::SendForward {
+                &mut self.facts.arrived_forward
+            } else {
+                &mut self.facts.arrived_backward
+            };
+            table[slot] = ready + cost;
+            self.finish(rank, a, ready, ready + cost);
+            return Step::Ran {
+                partner: Some(peer),
+            };
+        }
+        let slot = self.facts.idx(a.stage, a.mb());
+        let arrived = if a.kind == ActionKind::RecvForward {
+            self.facts.arrived_forward[slot]
+        } else {
+            self.facts.arrived_backward[slot]
+        };
+        if arrived.is_nan() {
+            return Step::Blocked(format!(
+                "waits for {want} on rank {peer} ({})",
+                self.describe_rank(peer)
+            ));
+        }
+        let start = ready.max(arrived);
+        self.finish(rank, a, start, start);
+        Step::Ran { partner: None }
+    }
+
     fn finish(&mut self, rank: usize, a: Action, start: f64, end: f64) {
         let i = self.facts.idx(a.stage, a.mb());
         match a.kind {
@@ -318,12 +374,13 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
     }
 }
 
-/// Replay `schedule` with `cost(rank, action)` as each action's duration.
+/// Replay `schedule` with `cost(rank, action)` as each action's duration and `mode` for sends.
 ///
 /// Fails only when an action names a stage or micro-batch outside the schedule; a deadlock is
 /// a successful replay whose [`ReplayOutcome::blocked`] is non-empty.
 pub fn replay(
     schedule: &PipelineSchedule,
+    mode: SendMode,
     cost: impl Fn(usize, &Action) -> f64,
 ) -> Result<ReplayOutcome, ScheduleError> {
     let (stages, mbs) = (schedule.num_stages(), schedule.microbatches);
@@ -343,6 +400,7 @@ pub fn replay(
         sched: schedule,
         cost,
         explicit_p2p: schedule.has_p2p(),
+        mode,
         pos: vec![0; n],
         clock: vec![0.0; n],
         facts: Facts::new(stages, mbs),

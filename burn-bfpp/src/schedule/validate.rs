@@ -4,12 +4,13 @@
 
 use super::grid::deadlock_report;
 use super::lower_dp::{collective_counts, CollectiveCounts};
-use super::{replay, unit_cost, Action, ActionKind, PipelineSchedule, ScheduleError};
+use super::{replay, unit_cost, Action, ActionKind, PipelineSchedule, ScheduleError, SendMode};
 
 /// At most this many structural problems are listed; the rest are counted.
 const MAX_LISTED: usize = 20;
 
-/// What a valid schedule looks like under the unit cost model (forward 1, backward 2).
+/// What a valid schedule looks like under the unit cost model (forward 1, backward 2), with
+/// eager sends.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidationReport {
     /// Unit-time makespan of the step.
@@ -289,12 +290,15 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<ValidationReport, Schedul
     check_collectives(schedule, &mut problems);
     problems.into_result()?;
 
-    let outcome = replay(schedule, unit_cost)?;
-    if !outcome.completed() {
+    // Blocking sends are the strictest semantics: completing under them proves the schedule
+    // completes under any buffering. Timings come from eager sends, as the executor runs them.
+    let blocking = replay(schedule, SendMode::Blocking, unit_cost)?;
+    if !blocking.completed() {
         return Err(ScheduleError::Invalid {
-            report: deadlock_report(schedule, &outcome),
+            report: deadlock_report(schedule, &blocking),
         });
     }
+    let outcome = replay(schedule, SendMode::Eager, unit_cost)?;
     let makespan = outcome.timeline.makespan();
     let busiest = outcome
         .timeline
