@@ -1,0 +1,114 @@
+//! Helpers of the `bfpp` binary: its error type, output and the JSON summary.
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use burn_bfpp::schedule::{
+    PipelineSchedule, ScheduleError, ScheduleKind, ScheduleSpec, ValidationReport,
+};
+use serde_json::json;
+
+/// Everything a command can fail with; printed as `error: {this}` with exit code 1.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad parameters, or a schedule that does not lower or validate.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// A schedule read from a file is malformed or invalid.
+    #[error("{}: {source}", path.display())]
+    InFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        source: ScheduleError,
+    },
+    /// An input file could not be read.
+    #[error("cannot read `{}`: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O failure.
+        source: io::Error,
+    },
+    /// The output file could not be written.
+    #[error("cannot write `{}`: {source}", path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O failure.
+        source: io::Error,
+    },
+    /// Standard output could not be written.
+    #[error("cannot write to standard output: {0}")]
+    Stdout(io::Error),
+}
+
+/// Print `error: ...` on standard error (ignoring a closed standard error).
+pub fn report_error(err: &CliError) {
+    let text = err.to_string();
+    let _ = writeln!(io::stderr().lock(), "error: {}", text.trim_end());
+}
+
+/// Write `text` to `path`, or to standard output when there is none. A reader that closes
+/// the pipe early (`bfpp schedule | head`) is not an error.
+pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), CliError> {
+    match path {
+        Some(path) => std::fs::write(path, text).map_err(|source| CliError::Write {
+            path: path.to_path_buf(),
+            source,
+        }),
+        None => {
+            let mut out = io::stdout().lock();
+            match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                Err(e) if e.kind() != io::ErrorKind::BrokenPipe => Err(CliError::Stdout(e)),
+                _ => Ok(()),
+            }
+        }
+    }
+}
+
+/// The `--format json` document: the parameters, the unit-time makespan and bubble, the
+/// lowered action lists and each rank's collective counts.
+pub fn json_summary(
+    spec: &ScheduleSpec,
+    zero: u8,
+    buffers: usize,
+    lowered: &PipelineSchedule,
+    report: &ValidationReport,
+) -> String {
+    let bf_microbatches = match spec.kind {
+        ScheduleKind::BreadthFirst => Some(spec.bf_microbatches.unwrap_or(spec.microbatches)),
+        _ => None,
+    };
+    let ranks: Vec<Vec<String>> = lowered
+        .ranks
+        .iter()
+        .map(|list| list.iter().map(ToString::to_string).collect())
+        .collect();
+    let collectives: Vec<_> = report
+        .collectives
+        .iter()
+        .map(|c| {
+            json!({
+                "unshard": c.unshard,
+                "reshard": c.reshard,
+                "reduce_grad": c.reduce_grad,
+            })
+        })
+        .collect();
+    let doc = json!({
+        "schedule": spec.kind.name(),
+        "pp": spec.pp,
+        "loops": spec.loops,
+        "microbatches": spec.microbatches,
+        "bf_microbatches": bf_microbatches,
+        "placement": spec.placement.name(),
+        "zero": zero,
+        "buffers": buffers,
+        "makespan_units": report.makespan,
+        "bubble_fraction": report.bubble_fraction,
+        "ranks": ranks,
+        "collectives": collectives,
+    });
+    format!("{doc:#}\n")
+}

@@ -1,0 +1,207 @@
+//! `bfpp`: generate, lower, check and print breadth-first (and other) pipeline schedules.
+//!
+//! `bfpp schedule` runs the library's pass pipeline (generate → lower_p2p →
+//! lower_data_parallel → validate) and prints the result in one of four formats;
+//! `bfpp validate` checks a schedule CSV written by `bfpp` or by PyTorch's pipelining.
+
+mod cli;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use burn_bfpp::schedule::{
+    from_csv, lower_data_parallel, lower_p2p, render_actions, render_grid, to_csv, validate,
+    DataParallelLowering, Placement, ScheduleKind, ScheduleSpec, ZeroLevel,
+};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use cli::{write_output, CliError};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "bfpp",
+    version,
+    about = "Breadth-first pipeline parallelism for Burn: generate, lower and check pipeline schedules"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate a schedule, add transfers and data-parallel collectives, validate it, print it.
+    Schedule(ScheduleArgs),
+    /// Check a schedule CSV (one line per rank, as written by `bfpp` or PyTorch pipelining).
+    Validate(ValidateArgs),
+}
+
+#[derive(Debug, Args)]
+struct ScheduleArgs {
+    /// Schedule family.
+    #[arg(long, value_enum, default_value_t = ScheduleArg::BreadthFirst)]
+    schedule: ScheduleArg,
+    /// Pipeline ranks P.
+    #[arg(long, default_value_t = 4)]
+    pp: usize,
+    /// Stages per rank V [default: 2; 1 for gpipe and 1f1b].
+    #[arg(long)]
+    loops: Option<usize>,
+    /// Micro-batches per optimizer step M.
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// Breadth-first micro-batches per sweep K (must divide M) [default: M].
+    #[arg(long)]
+    bf_microbatches: Option<usize>,
+    /// Stage → rank placement.
+    #[arg(long, value_enum, default_value_t = PlacementArg::Looping)]
+    placement: PlacementArg,
+    /// ZeRO level of the data-parallel lowering: 0, 1, 2 or 3.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero: u8,
+    /// Rotating full-size weight and gradient buffers per rank.
+    #[arg(long, default_value_t = 2)]
+    buffers: usize,
+    /// Output format: per-rank compute order, time-step grid, lowered CSV, or a JSON summary.
+    #[arg(long, value_enum, default_value_t = Format::Grid)]
+    format: Format,
+    /// Write to FILE instead of standard output.
+    #[arg(long, short, value_name = "FILE")]
+    output: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct ValidateArgs {
+    /// The schedule CSV file.
+    #[arg(value_name = "FILE.csv")]
+    file: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ScheduleArg {
+    /// All forwards, then all backwards (loops = 1).
+    Gpipe,
+    /// One forward / one backward after a warm-up (loops = 1).
+    #[value(name = "1f1b")]
+    OneFOneB,
+    /// Megatron-LM's interleaved 1F1B, depth-first (M a multiple of P).
+    #[value(alias = "depth-first")]
+    Interleaved,
+    /// Every local stage runs all its micro-batches before the next (the paper).
+    #[value(alias = "bf")]
+    BreadthFirst,
+}
+
+impl From<ScheduleArg> for ScheduleKind {
+    fn from(arg: ScheduleArg) -> Self {
+        match arg {
+            ScheduleArg::Gpipe => ScheduleKind::GPipe,
+            ScheduleArg::OneFOneB => ScheduleKind::OneFOneB,
+            ScheduleArg::Interleaved => ScheduleKind::Interleaved,
+            ScheduleArg::BreadthFirst => ScheduleKind::BreadthFirst,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PlacementArg {
+    /// Stage s on rank s mod P.
+    Looping,
+    /// Odd loops run the ranks backwards.
+    VShape,
+}
+
+impl From<PlacementArg> for Placement {
+    fn from(arg: PlacementArg) -> Self {
+        match arg {
+            PlacementArg::Looping => Placement::Looping,
+            PlacementArg::VShape => Placement::VShape,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    /// `rank R: ` and the rank's compute actions, one line per rank.
+    Actions,
+    /// Time-step × rank table of the unit-time replay.
+    Grid,
+    /// The lowered schedule, one CSV line per rank (PyTorch pipelining's layout).
+    Csv,
+    /// Parameters, timing, lowered action lists and collective counts.
+    Json,
+}
+
+fn main() -> ExitCode {
+    // Usage errors exit through clap (code 2), --help and --version with 0.
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Schedule(args) => run_schedule(&args),
+        Command::Validate(args) => run_validate(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            cli::report_error(&err);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_schedule(args: &ScheduleArgs) -> Result<(), CliError> {
+    let kind = ScheduleKind::from(args.schedule);
+    let default_loops = match kind {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1,
+        ScheduleKind::Interleaved | ScheduleKind::BreadthFirst => 2,
+    };
+    let spec = ScheduleSpec {
+        kind,
+        pp: args.pp,
+        loops: args.loops.unwrap_or(default_loops),
+        microbatches: args.microbatches,
+        bf_microbatches: args.bf_microbatches,
+        placement: args.placement.into(),
+    };
+    let zero = ZeroLevel::from_number(args.zero)?;
+    let compute = spec.generate()?;
+    let lowered = lower_data_parallel(
+        &lower_p2p(&compute)?,
+        &DataParallelLowering {
+            zero,
+            weight_buffers: args.buffers,
+            grad_buffers: args.buffers,
+        },
+    )?;
+    let report = validate(&lowered)?;
+    let text = match args.format {
+        Format::Actions => render_actions(&compute),
+        Format::Grid => render_grid(&compute)?,
+        Format::Csv => to_csv(&lowered),
+        Format::Json => cli::json_summary(&spec, args.zero, args.buffers, &lowered, &report),
+    };
+    write_output(args.output.as_deref(), &text)
+}
+
+fn run_validate(args: &ValidateArgs) -> Result<(), CliError> {
+    let path = &args.file;
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let in_file = |source| CliError::InFile {
+        path: path.clone(),
+        source,
+    };
+    let schedule = from_csv(&text).map_err(in_file)?;
+    let report = validate(&schedule).map_err(in_file)?;
+    let line = format!(
+        "valid: {} ranks, {} stages, {} micro-batches, makespan {} units (forward 1, backward 2), \
+         bubble {:.4}\n",
+        schedule.num_ranks(),
+        schedule.num_stages(),
+        schedule.microbatches,
+        report.makespan,
+        report.bubble_fraction,
+    );
+    write_output(None, &line)
+}
