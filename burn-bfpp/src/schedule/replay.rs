@@ -137,6 +137,9 @@ struct Replayer<'a, C: Fn(usize, &Action) -> f64> {
     cost: C,
     explicit_p2p: bool,
     mode: SendMode,
+    /// Whether blocked steps explain themselves; off in the hot loop, where formatting a
+    /// message for every wait would cost more than the replay itself.
+    explain: bool,
     pos: Vec<usize>,
     clock: Vec<f64>,
     facts: Facts,
@@ -160,6 +163,15 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
         };
         let rank = *self.sched.stage_ranks.get(stage)?;
         Some((Action::new(stage, kind, mb), rank))
+    }
+
+    /// The reason for a wait, built only when explanations are on.
+    fn why(&self, reason: impl FnOnce() -> String) -> String {
+        if self.explain {
+            reason()
+        } else {
+            String::new()
+        }
     }
 
     fn describe_rank(&self, rank: usize) -> String {
@@ -188,10 +200,12 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
         };
         if t.is_nan() {
             let owner = self.sched.stage_ranks[what.stage];
-            Err(format!(
-                "waits for {what} on rank {owner} ({})",
-                self.describe_rank(owner)
-            ))
+            Err(self.why(|| {
+                format!(
+                    "waits for {what} on rank {owner} ({})",
+                    self.describe_rank(owner)
+                )
+            }))
         } else {
             Ok(t)
         }
@@ -216,10 +230,12 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
         };
         if t.is_nan() {
             let owner = self.sched.stage_ranks[what.stage];
-            Err(format!(
-                "waits for {what} (or its I) on rank {owner} ({})",
-                self.describe_rank(owner)
-            ))
+            Err(self.why(|| {
+                format!(
+                    "waits for {what} (or its I) on rank {owner} ({})",
+                    self.describe_rank(owner)
+                )
+            }))
         } else {
             Ok(t)
         }
@@ -234,9 +250,7 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
     ) -> Result<f64, String> {
         let t = table[self.facts.idx(stage, mb)];
         if t.is_nan() {
-            Err(format!(
-                "waits for {what}, which this rank has not run before it"
-            ))
+            Err(self.why(|| format!("waits for {what}, which this rank has not run before it")))
         } else {
             Ok(t)
         }
@@ -244,7 +258,7 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
 
     fn try_step(&mut self, rank: usize) -> Step {
         let Some(&a) = self.head(rank) else {
-            return Step::Blocked("finished".into());
+            return Step::Blocked(String::new());
         };
         let (s, mb) = (a.stage, a.mb());
         let ready = match a.kind {
@@ -273,16 +287,20 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
         };
         if a.kind.is_p2p() {
             let Some((want, peer)) = self.partner_of(&a) else {
-                return Step::Blocked(format!("{a} has no peer stage; nothing can match it"));
+                return Step::Blocked(
+                    self.why(|| format!("{a} has no peer stage; nothing can match it")),
+                );
             };
             if self.mode == SendMode::Eager {
                 return self.eager_p2p(rank, a, want, peer, ready);
             }
             if self.head(peer) != Some(&want) {
-                return Step::Blocked(format!(
-                    "waits for rank {peer} to reach {want} ({})",
-                    self.describe_rank(peer)
-                ));
+                return Step::Blocked(self.why(|| {
+                    format!(
+                        "waits for rank {peer} to reach {want} ({})",
+                        self.describe_rank(peer)
+                    )
+                }));
             }
             // The peer's side of a receive has no data precondition; a send's does.
             let peer_ready = if want.kind == ActionKind::SendForward {
@@ -293,7 +311,9 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
                     mb,
                 ) {
                     Ok(t) => t,
-                    Err(why) => return Step::Blocked(format!("its peer rank {peer} {why}")),
+                    Err(why) => {
+                        return Step::Blocked(self.why(|| format!("its peer rank {peer} {why}")))
+                    }
                 }
             } else if want.kind == ActionKind::SendBackward {
                 match self.own_fact(
@@ -303,7 +323,9 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
                     mb,
                 ) {
                     Ok(t) => t,
-                    Err(why) => return Step::Blocked(format!("its peer rank {peer} {why}")),
+                    Err(why) => {
+                        return Step::Blocked(self.why(|| format!("its peer rank {peer} {why}")))
+                    }
                 }
             } else {
                 0.0
@@ -345,10 +367,12 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
             self.facts.arrived_backward[slot]
         };
         if arrived.is_nan() {
-            return Step::Blocked(format!(
-                "waits for {want} on rank {peer} ({})",
-                self.describe_rank(peer)
-            ));
+            return Step::Blocked(self.why(|| {
+                format!(
+                    "waits for {want} on rank {peer} ({})",
+                    self.describe_rank(peer)
+                )
+            }));
         }
         let start = ready.max(arrived);
         self.finish(rank, a, start, start);
@@ -401,6 +425,7 @@ pub fn replay(
         cost,
         explicit_p2p: schedule.has_p2p(),
         mode,
+        explain: false,
         pos: vec![0; n],
         clock: vec![0.0; n],
         facts: Facts::new(stages, mbs),
@@ -441,6 +466,7 @@ pub fn replay(
         }
     }
     let mut blocked = Vec::new();
+    r.explain = true;
     for rank in 0..n {
         if let Some(&action) = r.head(rank) {
             let waits_for = match r.try_step(rank) {
