@@ -6,4 +6,5 @@
 #![warn(missing_docs)]
 
 pub mod comm;
+pub mod model;
 pub mod schedule;

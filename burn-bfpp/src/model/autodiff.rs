@@ -1,0 +1,162 @@
+//! The backward pass of one stage on its own, and its gradients as one flat buffer.
+//!
+//! # The stage-backward recipe
+//!
+//! A pipelined model never builds one autodiff graph for the whole model: each stage's graph
+//! starts at its input and ends at its output, and the graphs are joined by hand.
+//!
+//! 1. **Forward.** Take [`fresh_leaves`] of the stage (its parameters as new autodiff leaves;
+//!    no data is copied). A stage that does not start the model makes the received
+//!    activation a leaf with [`input_leaf`] (cutting it from whatever graph produced it,
+//!    e.g. the previous stage on the same rank). Run [`super::PipelineStage::forward`] of
+//!    the fresh copy; keep the copy, the input leaf and the output until the backward.
+//! 2. **Backward of the last stage.** [`loss_backward`] on the loss, scaled by
+//!    `1 / micro-batches` so that the accumulated gradient is that of the mean loss.
+//! 3. **Backward of any other stage.** [`stage_backward`] with the gradient of the output
+//!    received from the next stage. It differentiates `(output · g).sum()`, whose gradient
+//!    with respect to `output` is exactly `g`, so by the chain rule every gradient it yields
+//!    is the one the unsplit model would have.
+//! 4. **Hand-off.** [`input_grad`] reads the gradient of the stage's input leaf: that is the
+//!    `g` the previous stage needs. [`flatten_grads`] *of the fresh copy* reads the
+//!    parameters' gradients into one buffer in the layout of [`super::flatten_params`];
+//!    summing those buffers over the micro-batches gives the step's gradient.
+//!
+//! Micro-batches may then run in any order, e.g. breadth-first: every forward of a stage,
+//! then every backward.
+//!
+//! # Why fresh leaves per micro-batch
+//!
+//! Breadth-first keeps the graphs of all micro-batches of a stage alive at once. If they
+//! share the parameter leaves, Burn 0.21 merges them into one graph, and a parameter leaf
+//! that has never been through a backward (new parameters, or parameters just reloaded
+//! with [`super::load_flat`] after an optimiser step) still has its root step recorded; the
+//! first backward consumes it and later backwards of the merged graph sometimes drop steps
+//! of the micro-batches still waiting, depending on hash-map order. We measured wrong
+//! gradients in 5–9% of fresh processes (MLP, 4 stages, 4 micro-batches, one thread);
+//! with one leaf copy per micro-batch, 0 of 200. Depth-first orders (each micro-batch's
+//! backward right after its forward) are not affected.
+//!
+//! # Threads: hold [`autodiff_lock`] around every forward and backward
+//!
+//! Burn 0.21's autodiff keeps every graph of the process in one global registry, and each
+//! `backward()` ends with a sweep over *all* graphs that frees steps it believes unused —
+//! including steps another thread has just recorded but not yet linked to the op that
+//! consumes them (tracel-ai/burn#5573). The other thread's gradients then silently miss
+//! contributions (we observed O(1) errors in LayerNorm and embedding gradients). When two
+//! threads share autodiff nodes the same code can also deadlock (lock-order inversion
+//! between the registry and a graph). So when ranks are threads of one process, every call
+//! that records autodiff ops or runs a backward — stage forwards, [`fresh_leaves`],
+//! [`input_leaf`], [`stage_backward`], [`loss_backward`] — must run while holding
+//! [`autodiff_lock`]. Reading gradients ([`input_grad`], [`flatten_grads`]) and work on
+//! detached values need not. Holding it makes the execution equal to a single-threaded
+//! interleaving.
+
+use std::sync::{Mutex, MutexGuard};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
+
+use super::ModelError;
+
+/// The process-wide lock that serialises autodiff graph recording and backward passes
+/// across threads (see the module docs: Burn 0.21's autodiff is not safe to drive from
+/// several threads at once). Take it around each stage forward and each backward; it is
+/// not reentrant, so the functions of this module never take it themselves.
+pub fn autodiff_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    // A panic while holding the lock leaves no state behind that the lock protects.
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A copy of `module` whose float parameters are new autodiff leaves with the same values
+/// (the data is shared, not copied), the same [`burn::module::ParamId`]s and the same
+/// `require_grad` flags. Run each micro-batch's forward on its own copy and read that
+/// micro-batch's parameter gradients from it (see the module docs for why).
+pub fn fresh_leaves<B: Backend, M: Module<B>>(module: &M) -> M {
+    struct Releaf;
+    impl<B: Backend> ModuleMapper<B> for Releaf {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, value, mapper) = param.consume();
+            let require_grad = value.is_require_grad();
+            Param::from_mapped_value(id, value.detach().set_require_grad(require_grad), mapper)
+        }
+    }
+    module.clone().map(&mut Releaf)
+}
+
+/// Makes a received activation the leaf a stage's graph starts from (`detach().require_grad()`).
+pub fn input_leaf<B: AutodiffBackend>(hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+    hidden.detach().require_grad()
+}
+
+/// Backward of a non-last stage from the gradient `grad_output` of its `output`.
+///
+/// Computes the gradients of `(output · grad_output).sum()`; `grad_output` is used as a
+/// constant (it lives on the inner backend, so it carries no graph). Fails without running
+/// anything if the shapes differ.
+pub fn stage_backward<B: AutodiffBackend>(
+    output: &Tensor<B, 3>,
+    grad_output: Tensor<B::InnerBackend, 3>,
+) -> Result<B::Gradients, ModelError> {
+    if output.dims() != grad_output.dims() {
+        return Err(ModelError::shape(
+            "gradient of the stage output",
+            format!("{:?} (the output's shape)", output.dims()),
+            format!("{:?}", grad_output.dims()),
+        ));
+    }
+    let grad = Tensor::<B, 3>::from_inner(grad_output).to_device(&output.device());
+    Ok((output.clone() * grad).sum().backward())
+}
+
+/// Backward of the last stage from its loss, scaled by `scale` (use `1 / micro-batches` so
+/// the gradients summed over micro-batches are those of the mean loss).
+pub fn loss_backward<B: AutodiffBackend>(loss: &Tensor<B, 1>, scale: f64) -> B::Gradients {
+    loss.clone().mul_scalar(scale).backward()
+}
+
+/// The gradient of a stage's input leaf (made by [`input_leaf`]); zeros if the stage did not
+/// use its input, which is the correct gradient in that case.
+pub fn input_grad<B: AutodiffBackend>(
+    leaf: &Tensor<B, 3>,
+    grads: &B::Gradients,
+) -> Tensor<B::InnerBackend, 3> {
+    leaf.grad(grads)
+        .unwrap_or_else(|| Tensor::zeros(leaf.dims(), &leaf.device()))
+}
+
+/// The gradients of all float parameters of `module`, flattened and concatenated in the
+/// layout of [`super::flatten_params`]; a parameter without a gradient (unused, or not
+/// requiring one) contributes zeros so the layout never shifts.
+pub fn flatten_grads<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+    grads: &B::Gradients,
+) -> Tensor<B::InnerBackend, 1> {
+    struct Flatten<'a, B: AutodiffBackend> {
+        grads: &'a B::Gradients,
+        parts: Vec<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            let n = value.shape().num_elements();
+            let part = match value.grad(self.grads) {
+                Some(grad) => grad.reshape([n]),
+                None => Tensor::zeros([n], &value.device()),
+            };
+            self.parts.push(part);
+        }
+    }
+    let mut visitor = Flatten {
+        grads,
+        parts: Vec::new(),
+    };
+    module.visit(&mut visitor);
+    if visitor.parts.is_empty() {
+        // No parameters: an empty buffer on the module's device (the inner backend shares it).
+        let device = module.devices().into_iter().next().unwrap_or_default();
+        return Tensor::zeros([0], &device);
+    }
+    Tensor::cat(visitor.parts, 0)
+}

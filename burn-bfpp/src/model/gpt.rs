@@ -1,0 +1,492 @@
+//! The reference GPT: learned token and position embeddings, pre-LayerNorm blocks with causal
+//! self-attention and a GELU MLP, a final LayerNorm and a linear (or tied) head with
+//! cross-entropy — built from `burn::nn` parts.
+//!
+//! As a [`PipelineModel`] its layers are `[embedding] + blocks + [final norm, head, loss]`, so
+//! a model with `L` blocks has `L + 2` layers and splits into up to `L + 2` stages.
+
+use std::ops::Range;
+
+use burn::module::{Initializer, Module};
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Gelu, LayerNorm, LayerNormConfig, Linear,
+    LinearConfig,
+};
+use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Int, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::Inputs;
+use super::{
+    check_range, materialize, ModelError, PipelineModel, PipelineStage, StageInput, StageOutput,
+    Targets,
+};
+
+/// The shape of a [`Gpt`]. Deserialises from JSON with every field optional (defaults below).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GptConfig {
+    /// Vocabulary size (default 256: byte-level tokens).
+    pub vocab_size: usize,
+    /// Longest sequence, the number of learned positions (default 64).
+    pub seq_len: usize,
+    /// Width of the residual stream (default 64).
+    pub hidden: usize,
+    /// Attention heads; must divide `hidden` (default 4).
+    pub heads: usize,
+    /// Transformer blocks (default 8, so the model has 10 layers).
+    pub layers: usize,
+    /// MLP width as a multiple of `hidden` (default 4).
+    pub mlp_ratio: usize,
+    /// Use the token embedding matrix as the output head (default false). A tied head puts
+    /// one weight in the first and the last layer, so such a model cannot be split.
+    pub tied_head: bool,
+    /// Dropout probability on embeddings and residual branches (default 0). Anything above 0
+    /// draws random masks, so pipelined and single-device runs no longer match exactly.
+    pub dropout: f64,
+    /// Standard deviation of the normal initialisation of weights (default 0.02); the
+    /// residual output projections use `init_std / sqrt(2 · layers)`, as in GPT-2.
+    pub init_std: f64,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 256,
+            seq_len: 64,
+            hidden: 64,
+            heads: 4,
+            layers: 8,
+            mlp_ratio: 4,
+            tied_head: false,
+            dropout: 0.0,
+            init_std: 0.02,
+        }
+    }
+}
+
+impl GptConfig {
+    /// Checks every field; the error names the field and the fix.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("seq_len", self.seq_len),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("layers", self.layers),
+            ("mlp_ratio", self.mlp_ratio),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ModelError::Config(format!("`{name}` must be at least 1")));
+        }
+        if self.hidden % self.heads != 0 {
+            return Err(ModelError::Config(format!(
+                "`hidden` ({}) must be a multiple of `heads` ({})",
+                self.hidden, self.heads
+            )));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(ModelError::Config(format!(
+                "`dropout` is {}; it must be in [0, 1)",
+                self.dropout
+            )));
+        }
+        if !self.init_std.is_finite() || self.init_std < 0.0 {
+            return Err(ModelError::Config(format!(
+                "`init_std` is {}; it must be finite and non-negative",
+                self.init_std
+            )));
+        }
+        Ok(())
+    }
+
+    /// Layers as a pipeline model: embedding, blocks, head.
+    pub fn num_layers(&self) -> usize {
+        self.layers + 2
+    }
+
+    /// Forward FLOPs per token of each layer (the standard matmul counts; backward is about
+    /// twice that for every layer, so the ratios hold for training too).
+    pub fn layer_costs(&self) -> Vec<f64> {
+        let (h, s, v) = (
+            self.hidden as f64,
+            self.seq_len as f64,
+            self.vocab_size as f64,
+        );
+        let r = self.mlp_ratio as f64;
+        // Q, K, V and output projections, the MLP, and QKᵀ plus the weighted sum of V.
+        let block = 8.0 * h * h + 4.0 * r * h * h + 4.0 * s * h;
+        let mut costs = vec![h]; // the embedding only adds the position vector
+        costs.extend(std::iter::repeat_n(block, self.layers));
+        costs.push(2.0 * h * v);
+        costs
+    }
+
+    /// Builds the model with parameters drawn from the backend's current random state, and
+    /// materialises them (see [`materialize`]) so that stages cut from it share its values.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
+        self.validate()?;
+        let normal = |std: f64| Initializer::Normal { mean: 0.0, std };
+        let residual_std = self.init_std / (2.0 * self.layers as f64).sqrt();
+        let linear = |d_in: usize, d_out: usize, std: f64| {
+            LinearConfig::new(d_in, d_out)
+                .with_initializer(normal(std))
+                .init(device)
+        };
+        let norm = || LayerNormConfig::new(self.hidden).init(device);
+        let dropout = DropoutConfig::new(self.dropout).init();
+        let (h, mlp) = (self.hidden, self.hidden * self.mlp_ratio);
+
+        let embed = GptEmbedding {
+            tokens: EmbeddingConfig::new(self.vocab_size, h)
+                .with_initializer(normal(self.init_std))
+                .init(device),
+            positions: EmbeddingConfig::new(self.seq_len, h)
+                .with_initializer(normal(self.init_std))
+                .init(device),
+            dropout: dropout.clone(),
+        };
+        let blocks = (0..self.layers)
+            .map(|_| GptBlock {
+                norm1: norm(),
+                attention: CausalSelfAttention {
+                    query: linear(h, h, self.init_std),
+                    // No key bias: it adds `q · b` to every score of a query's row, which
+                    // the softmax cancels, so its gradient is identically zero.
+                    key: LinearConfig::new(h, h)
+                        .with_bias(false)
+                        .with_initializer(normal(self.init_std))
+                        .init(device),
+                    value: linear(h, h, self.init_std),
+                    output: linear(h, h, residual_std),
+                    heads: self.heads,
+                },
+                norm2: norm(),
+                fc: linear(h, mlp, self.init_std),
+                gelu: Gelu::new(),
+                proj: linear(mlp, h, residual_std),
+                dropout: dropout.clone(),
+            })
+            .collect();
+        let head = GptHead {
+            norm: norm(),
+            output: (!self.tied_head).then(|| {
+                LinearConfig::new(h, self.vocab_size)
+                    .with_bias(false)
+                    .with_initializer(normal(self.init_std))
+                    .init(device)
+            }),
+        };
+        let model = Gpt {
+            embed,
+            blocks,
+            head,
+            config: self.clone(),
+        };
+        materialize(&model);
+        Ok(model)
+    }
+
+    /// [`init`](Self::init) after seeding the backend: the same seed gives the same model.
+    /// The seed is the backend's global random state, so nothing else may draw random
+    /// numbers on that backend while this runs.
+    pub fn init_seeded<B: Backend>(
+        &self,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<Gpt<B>, ModelError> {
+        B::seed(device, seed);
+        self.init(device)
+    }
+}
+
+/// Layer 0: token embedding plus learned position embedding.
+#[derive(Module, Debug)]
+pub struct GptEmbedding<B: Backend> {
+    tokens: Embedding<B>,
+    positions: Embedding<B>,
+    dropout: Dropout,
+}
+
+impl<B: Backend> GptEmbedding<B> {
+    fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [_, seq] = tokens.dims();
+        let positions =
+            Tensor::<B, 1, Int>::arange(0..seq as i64, &tokens.device()).reshape([1, seq]);
+        // [batch, seq, hidden] + [1, seq, hidden]: the positions broadcast over the batch.
+        let x = self.tokens.forward(tokens) + self.positions.forward(positions);
+        self.dropout.forward(x)
+    }
+}
+
+/// Multi-head causal self-attention written out (matmul, mask, softmax) rather than Burn's
+/// attention op, so every step is visible and differentiable on any backend.
+#[derive(Module, Debug)]
+pub struct CausalSelfAttention<B: Backend> {
+    query: Linear<B>,
+    key: Linear<B>,
+    value: Linear<B>,
+    output: Linear<B>,
+    heads: usize,
+}
+
+impl<B: Backend> CausalSelfAttention<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, hidden] = x.dims();
+        let (heads, head_dim) = (self.heads, hidden / self.heads);
+        // [batch, seq, hidden] → [batch, heads, seq, head_dim]
+        let split = |t: Tensor<B, 3>| t.reshape([batch, seq, heads, head_dim]).swap_dims(1, 2);
+        let q = split(self.query.forward(x.clone()));
+        let k = split(self.key.forward(x.clone()));
+        let v = split(self.value.forward(x));
+        let scores = q.matmul(k.transpose()).div_scalar((head_dim as f64).sqrt());
+        // `tril_mask` is true above the diagonal: the future positions a token may not see.
+        let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device())
+            .reshape([1, 1, seq, seq])
+            .expand([batch, heads, seq, seq]);
+        let weights = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+        let y = weights
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([batch, seq, hidden]);
+        self.output.forward(y)
+    }
+}
+
+/// One pre-LayerNorm transformer block: `x + attn(ln(x))`, then `x + mlp(ln(x))`.
+#[derive(Module, Debug)]
+pub struct GptBlock<B: Backend> {
+    norm1: LayerNorm<B>,
+    attention: CausalSelfAttention<B>,
+    norm2: LayerNorm<B>,
+    fc: Linear<B>,
+    gelu: Gelu,
+    proj: Linear<B>,
+    dropout: Dropout,
+}
+
+impl<B: Backend> GptBlock<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let attended = self.attention.forward(self.norm1.forward(x.clone()));
+        let x = x + self.dropout.forward(attended);
+        let mlp = self.proj.forward(
+            self.gelu
+                .forward(self.fc.forward(self.norm2.forward(x.clone()))),
+        );
+        x + self.dropout.forward(mlp)
+    }
+}
+
+/// The last layer: final LayerNorm and the projection to the vocabulary (its own matrix, or
+/// the token embedding's when tied).
+#[derive(Module, Debug)]
+pub struct GptHead<B: Backend> {
+    norm: LayerNorm<B>,
+    output: Option<Linear<B>>,
+}
+
+impl<B: Backend> GptHead<B> {
+    fn logits(
+        &self,
+        x: Tensor<B, 3>,
+        embed: Option<&GptEmbedding<B>>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        let [batch, seq, hidden] = x.dims();
+        let x = self.norm.forward(x);
+        match (&self.output, embed) {
+            (Some(output), _) => Ok(output.forward(x)),
+            (None, Some(embed)) => {
+                // Tied: logits = x · Eᵀ with E the [vocab, hidden] token embedding.
+                let weight = embed.tokens.weight.val();
+                let [vocab, _] = weight.dims();
+                let flat = x.reshape([batch * seq, hidden]).matmul(weight.transpose());
+                Ok(flat.reshape([batch, seq, vocab]))
+            }
+            (None, None) => Err(ModelError::Config(
+                "the tied head needs the token embedding in its stage; set tied_head = false \
+                 to split the model"
+                    .into(),
+            )),
+        }
+    }
+}
+
+/// Mean next-token cross-entropy over all `batch · seq` positions.
+fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [batch, seq, vocab] = logits.dims();
+    let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
+    log_probs
+        .gather(1, targets.reshape([batch * seq, 1]))
+        .mean()
+        .neg()
+}
+
+/// The reference GPT; build it with [`GptConfig::init`] and split it with
+/// [`PipelineModel::stage`].
+#[derive(Module, Debug)]
+pub struct Gpt<B: Backend> {
+    embed: GptEmbedding<B>,
+    blocks: Vec<GptBlock<B>>,
+    head: GptHead<B>,
+    config: GptConfig,
+}
+
+impl<B: Backend> Gpt<B> {
+    /// The configuration the model was built from.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// Next-token logits `[batch, seq, vocab]` for token ids `[batch, seq]`.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
+        check_tokens(&self.config, &tokens, &(0..self.num_layers()))?;
+        let mut x = self.embed.forward(tokens);
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        self.head.logits(x, Some(&self.embed))
+    }
+}
+
+impl<B: Backend> PipelineModel<B> for Gpt<B> {
+    type Stage = GptStage<B>;
+
+    fn num_layers(&self) -> usize {
+        self.blocks.len() + 2
+    }
+
+    fn layer_costs(&self) -> Vec<f64> {
+        self.config.layer_costs()
+    }
+
+    fn stage(&self, layers: Range<usize>) -> Result<GptStage<B>, ModelError> {
+        let n = self.num_layers();
+        check_range(&layers, n)?;
+        let head_layer = n - 1;
+        let (has_embed, has_head) = (layers.contains(&0), layers.contains(&head_layer));
+        if self.config.tied_head && has_embed != has_head {
+            return Err(ModelError::TiedHeadAcrossStages {
+                layers,
+                head: head_layer,
+            });
+        }
+        // Block i is layer i + 1.
+        let blocks = layers.start.max(1) - 1..layers.end.min(head_layer) - 1;
+        Ok(GptStage {
+            embed: has_embed.then(|| self.embed.clone()),
+            blocks: self.blocks[blocks].to_vec(),
+            head: has_head.then(|| self.head.clone()),
+            start: layers.start,
+            end: layers.end,
+            num_layers: n,
+            config: self.config.clone(),
+        })
+    }
+}
+
+/// A contiguous range of a [`Gpt`]'s layers, holding only their parameters.
+#[derive(Module, Debug)]
+pub struct GptStage<B: Backend> {
+    embed: Option<GptEmbedding<B>>,
+    blocks: Vec<GptBlock<B>>,
+    head: Option<GptHead<B>>,
+    start: usize,
+    end: usize,
+    num_layers: usize,
+    config: GptConfig,
+}
+
+impl<B: Backend> PipelineStage<B> for GptStage<B> {
+    fn layers(&self) -> Range<usize> {
+        self.start..self.end
+    }
+
+    fn is_last(&self) -> bool {
+        self.end == self.num_layers
+    }
+
+    fn forward(
+        &self,
+        input: StageInput<B>,
+        targets: Option<&Targets<B>>,
+    ) -> Result<StageOutput<B>, ModelError> {
+        let layers = self.layers();
+        let wrong = |reason: &str| ModelError::StageInput {
+            layers: layers.clone(),
+            reason: reason.into(),
+        };
+        let mut x = match (input, &self.embed) {
+            (StageInput::Data(Inputs::Tokens(tokens)), Some(embed)) => {
+                check_tokens(&self.config, &tokens, &layers)?;
+                embed.forward(tokens)
+            }
+            (StageInput::Data(Inputs::Features(_)), Some(_)) => {
+                return Err(wrong("the GPT reads token ids, not feature vectors"))
+            }
+            (StageInput::Data(_), None) => {
+                return Err(wrong(
+                    "this stage starts after the embedding and expects the previous stage's \
+                     hidden states, not the micro-batch's inputs",
+                ))
+            }
+            (StageInput::Hidden(_), Some(_)) => {
+                return Err(wrong(
+                    "this stage holds the embedding and expects token ids",
+                ))
+            }
+            (StageInput::Hidden(hidden), None) => {
+                let [_, seq, width] = hidden.dims();
+                if width != self.config.hidden || seq > self.config.seq_len {
+                    return Err(ModelError::shape(
+                        format!("hidden states entering stage {layers:?}"),
+                        format!(
+                            "[batch, seq ≤ {}, {}]",
+                            self.config.seq_len, self.config.hidden
+                        ),
+                        format!("{:?}", hidden.dims()),
+                    ));
+                }
+                hidden
+            }
+        };
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        let Some(head) = &self.head else {
+            return Ok(StageOutput::Hidden(x));
+        };
+        let targets = match targets {
+            Some(Targets::Tokens(t)) => t.clone(),
+            Some(Targets::Values(_)) => return Err(wrong("the GPT's targets are token ids")),
+            None => return Err(wrong("the last stage needs the micro-batch's targets")),
+        };
+        let [batch, seq, _] = x.dims();
+        if targets.dims() != [batch, seq] {
+            return Err(ModelError::shape(
+                "target token ids",
+                format!("[{batch}, {seq}] (the inputs' shape)"),
+                format!("{:?}", targets.dims()),
+            ));
+        }
+        let logits = head.logits(x, self.embed.as_ref())?;
+        Ok(StageOutput::Loss(cross_entropy(logits, targets)))
+    }
+}
+
+/// Token ids must be `[batch ≥ 1, 1 ≤ seq ≤ seq_len]`.
+fn check_tokens<B: Backend>(
+    config: &GptConfig,
+    tokens: &Tensor<B, 2, Int>,
+    layers: &Range<usize>,
+) -> Result<(), ModelError> {
+    let [batch, seq] = tokens.dims();
+    if batch == 0 || seq == 0 || seq > config.seq_len {
+        return Err(ModelError::shape(
+            format!("token ids entering stage {layers:?}"),
+            format!("[batch ≥ 1, 1 ≤ seq ≤ {}]", config.seq_len),
+            format!("{:?}", tokens.dims()),
+        ));
+    }
+    Ok(())
+}

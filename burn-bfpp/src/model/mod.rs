@@ -1,0 +1,223 @@
+//! Models as ordered lists of layers, cut into stages that run on different ranks.
+//!
+//! A user's Burn model implements [`PipelineModel`]: it says how many layers it has (input
+//! embedding, blocks, output head with loss), what each costs, and builds a [`PipelineStage`]
+//! — an ordinary Burn [`Module`] holding only the parameters of a range of layers — for any
+//! contiguous layer range. [`split_model`] chooses the ranges (even, cost-balanced or
+//! explicit); [`crate::schedule::Placement`] then maps stages to ranks.
+//!
+//! Between stages, activations are float tensors `[batch, seq, hidden]` (a model without a
+//! sequence axis uses `seq = 1`), so the engine can move them as float data. The first stage
+//! takes the micro-batch's [`Inputs`], the last one also its [`Targets`] and returns the loss
+//! (mean over the micro-batch's tokens or rows).
+//!
+//! Stages are cut from a model built once, so they share its parameter values and
+//! [`ParamId`](burn::module::ParamId)s by construction: a pipelined run starts from exactly the
+//! model a single-device run starts from, and [`recombine`] puts trained stages back into it.
+//! [`flatten_params`], [`load_flat`] and [`flatten_grads`] move a stage's parameters and
+//! gradients to and from one 1-D buffer for sharding. The [`autodiff`] module documents the
+//! per-stage backward recipe, including two workarounds for Burn 0.21's autodiff that any
+//! engine must follow: run each micro-batch's forward on [`fresh_leaves`] of its stage, and
+//! hold [`autodiff_lock`] while recording graphs when ranks are threads. [`Gpt`] is the
+//! reference model.
+
+pub mod autodiff;
+mod error;
+mod gpt;
+mod params;
+mod split;
+#[cfg(all(test, feature = "flex"))]
+mod tests;
+
+use std::ops::Range;
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+pub use autodiff::{
+    autodiff_lock, flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward,
+    stage_backward,
+};
+pub use error::ModelError;
+pub use gpt::{Gpt, GptConfig, GptStage};
+pub use params::{flatten_params, load_flat, materialize, recombine};
+pub use split::{balanced_split, split_model, stage_costs, ModelSplit};
+
+/// The inputs of a micro-batch, consumed by the first stage.
+#[derive(Debug, Clone)]
+pub enum Inputs<B: Backend> {
+    /// Token ids `[batch, seq]` (language models).
+    Tokens(Tensor<B, 2, Int>),
+    /// Feature vectors `[batch, features]` (regressors, classifiers).
+    Features(Tensor<B, 2>),
+}
+
+/// The targets of a micro-batch, consumed by the last stage's loss.
+#[derive(Debug, Clone)]
+pub enum Targets<B: Backend> {
+    /// Target token ids `[batch, seq]` (next-token prediction).
+    Tokens(Tensor<B, 2, Int>),
+    /// Target values `[batch, outputs]` (regression).
+    Values(Tensor<B, 2>),
+}
+
+/// One micro-batch of training data.
+#[derive(Debug, Clone)]
+pub struct MicroBatch<B: Backend> {
+    /// What the first stage reads.
+    pub inputs: Inputs<B>,
+    /// What the last stage's loss compares against.
+    pub targets: Targets<B>,
+}
+
+/// What a stage receives.
+#[derive(Debug, Clone)]
+pub enum StageInput<B: Backend> {
+    /// The micro-batch's inputs: for the stage holding layer 0.
+    Data(Inputs<B>),
+    /// The previous stage's output `[batch, seq, hidden]`: for every other stage.
+    Hidden(Tensor<B, 3>),
+}
+
+/// What a stage produces.
+#[derive(Debug, Clone)]
+pub enum StageOutput<B: Backend> {
+    /// Activations `[batch, seq, hidden]` for the next stage.
+    Hidden(Tensor<B, 3>),
+    /// The loss of the micro-batch, shape `[1]`: from the stage holding the last layer.
+    Loss(Tensor<B, 1>),
+}
+
+impl<B: Backend> StageOutput<B> {
+    /// The activations, or an error if this was the last stage.
+    pub fn into_hidden(self) -> Result<Tensor<B, 3>, ModelError> {
+        match self {
+            StageOutput::Hidden(h) => Ok(h),
+            StageOutput::Loss(_) => Err(ModelError::Split(
+                "expected activations but the stage returned the loss; only the last stage \
+                 of the split may hold the head"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The loss, or an error if this was not the last stage.
+    pub fn into_loss(self) -> Result<Tensor<B, 1>, ModelError> {
+        match self {
+            StageOutput::Loss(l) => Ok(l),
+            StageOutput::Hidden(_) => Err(ModelError::Split(
+                "expected the loss but the stage returned activations; the last stage of the \
+                 split must hold the model's last layer"
+                    .into(),
+            )),
+        }
+    }
+}
+
+/// A model that can be cut into pipeline stages.
+///
+/// Layers are numbered `0..num_layers()` in the order data flows through them. Implementors
+/// must [`materialize`] their parameters before [`stage`](Self::stage) is called (typically
+/// in their `init`), because stages clone them.
+pub trait PipelineModel<B: Backend>: Module<B> {
+    /// The module type of one stage.
+    type Stage: PipelineStage<B>;
+
+    /// How many layers the model has (each stage gets at least one).
+    fn num_layers(&self) -> usize;
+
+    /// Relative cost of each layer (e.g. forward FLOPs per token), for [`ModelSplit::Balanced`].
+    /// The default counts every layer as 1.
+    fn layer_costs(&self) -> Vec<f64> {
+        vec![1.0; self.num_layers()]
+    }
+
+    /// The stage holding `layers`, sharing this model's parameters (values and ids).
+    fn stage(&self, layers: Range<usize>) -> Result<Self::Stage, ModelError>;
+
+    /// All stages of a split; the ranges must be non-empty and cover `0..num_layers()` in order.
+    fn stages(&self, ranges: &[Range<usize>]) -> Result<Vec<Self::Stage>, ModelError> {
+        check_split(ranges, self.num_layers())?;
+        ranges.iter().map(|r| self.stage(r.clone())).collect()
+    }
+
+    /// The loss of the unsplit model on one micro-batch (the model run as a single stage).
+    fn loss(&self, batch: &MicroBatch<B>) -> Result<Tensor<B, 1>, ModelError> {
+        let whole = self.stage(0..self.num_layers())?;
+        whole
+            .forward(StageInput::Data(batch.inputs.clone()), Some(&batch.targets))?
+            .into_loss()
+    }
+}
+
+/// One stage of a [`PipelineModel`]: a Burn module holding only its layers' parameters.
+pub trait PipelineStage<B: Backend>: Module<B> {
+    /// The model layers this stage runs.
+    fn layers(&self) -> Range<usize>;
+
+    /// Whether this stage holds the model's last layer (and so returns the loss).
+    fn is_last(&self) -> bool;
+
+    /// Whether this stage holds layer 0 (and so reads the micro-batch's inputs).
+    fn is_first(&self) -> bool {
+        self.layers().start == 0
+    }
+
+    /// Runs the stage. The first stage takes [`StageInput::Data`], the others
+    /// [`StageInput::Hidden`]; the last stage needs `targets` and returns
+    /// [`StageOutput::Loss`], the others return [`StageOutput::Hidden`].
+    fn forward(
+        &self,
+        input: StageInput<B>,
+        targets: Option<&Targets<B>>,
+    ) -> Result<StageOutput<B>, ModelError>;
+}
+
+/// Runs a micro-batch through `stages` in order on one device and returns the loss: the
+/// full model as the composition of its stages.
+pub fn run_stages<B: Backend, S: PipelineStage<B>>(
+    stages: &[S],
+    batch: &MicroBatch<B>,
+) -> Result<Tensor<B, 1>, ModelError> {
+    let mut input = StageInput::Data(batch.inputs.clone());
+    for (i, stage) in stages.iter().enumerate() {
+        let targets = stage.is_last().then_some(&batch.targets);
+        let output = stage.forward(input, targets)?;
+        if i + 1 == stages.len() {
+            return output.into_loss();
+        }
+        input = StageInput::Hidden(output.into_hidden()?);
+    }
+    Err(ModelError::Split("no stages to run".into()))
+}
+
+/// Checks that `ranges` are non-empty, contiguous and cover exactly `0..num_layers`.
+pub fn check_split(ranges: &[Range<usize>], num_layers: usize) -> Result<(), ModelError> {
+    let mut next = 0;
+    for (stage, r) in ranges.iter().enumerate() {
+        if r.start != next || r.is_empty() {
+            return Err(ModelError::Split(format!(
+                "stage {stage} has layers {r:?}, but it must start at layer {next} and hold at \
+                 least one layer; stages must be non-empty and contiguous"
+            )));
+        }
+        next = r.end;
+    }
+    if next != num_layers || ranges.is_empty() {
+        return Err(ModelError::Split(format!(
+            "the stages cover layers 0..{next} but the model has {num_layers} layers"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `layers` is a non-empty range inside `0..num_layers` (for [`PipelineModel::stage`]).
+pub fn check_range(layers: &Range<usize>, num_layers: usize) -> Result<(), ModelError> {
+    if layers.is_empty() || layers.end > num_layers {
+        return Err(ModelError::Split(format!(
+            "layer range {layers:?} is empty or outside the model's layers 0..{num_layers}"
+        )));
+    }
+    Ok(())
+}

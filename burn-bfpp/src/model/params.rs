@@ -1,0 +1,185 @@
+//! A module's float parameters as one flat 1-D buffer and back, and the recombination of
+//! stages into the full model.
+//!
+//! The order is the module's [`Module::visit`] order, which `#[derive(Module)]` makes the
+//! field declaration order: deterministic, identical on every rank, and — for models whose
+//! stages hold the same fields in the same order (as [`super::Gpt`] does) — the concatenation
+//! of the stages' buffers in stage order is the full model's buffer. Only float parameters
+//! are included; integer and boolean parameters are left untouched by [`load_flat`].
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use super::ModelError;
+
+/// Forces every lazily initialised parameter of `module` to take its value now, in visit order.
+///
+/// Burn initialises parameters lazily, on first use, and a clone of a still-lazy parameter
+/// initialises *independently*. Splitting a model into stages clones its parameters, so a
+/// model must be materialised before it is split, or the stages would draw fresh random
+/// values that differ from the model's. Materialising right after seeding also makes the
+/// values depend only on the seed and the visit order.
+pub fn materialize<B: Backend, M: Module<B>>(module: &M) {
+    struct Touch;
+    impl<B: Backend> ModuleVisitor<B> for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            // `val` fills the parameter's shared cell, so the module itself keeps the value.
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+}
+
+/// All float parameters of `module`, flattened and concatenated in visit order (detached).
+///
+/// A module without float parameters gives an empty buffer on the default device.
+pub fn flatten_params<B: Backend, M: Module<B>>(module: &M) -> Tensor<B, 1> {
+    struct Flatten<B: Backend> {
+        parts: Vec<Tensor<B, 1>>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Flatten<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val().detach();
+            let n = value.shape().num_elements();
+            self.parts.push(value.reshape([n]));
+        }
+    }
+    let mut visitor = Flatten { parts: Vec::new() };
+    module.visit(&mut visitor);
+    concat_or_empty(visitor.parts, module)
+}
+
+/// Concatenates flat parts; an empty list gives an empty tensor on the module's device.
+pub(crate) fn concat_or_empty<B: Backend, M: Module<B>, const D: usize>(
+    parts: Vec<Tensor<B, D>>,
+    module: &M,
+) -> Tensor<B, D> {
+    if parts.is_empty() {
+        let device = module.devices().into_iter().next().unwrap_or_default();
+        Tensor::zeros([0; D], &device)
+    } else {
+        Tensor::cat(parts, 0)
+    }
+}
+
+/// Replaces every float parameter of `module` by its slice of `flat` (the layout of
+/// [`flatten_params`]), keeping parameter ids, devices and whether each requires a gradient.
+///
+/// The new values are fresh leaves: no autodiff history of `flat` is carried into the module.
+pub fn load_flat<B: Backend, M: Module<B>>(
+    module: M,
+    flat: &Tensor<B, 1>,
+) -> Result<M, ModelError> {
+    let expected = module.num_params();
+    let [got] = flat.dims();
+    if got != expected {
+        return Err(ModelError::shape(
+            "flat parameter buffer",
+            format!("[{expected}] (the module's parameter count)"),
+            format!("[{got}]"),
+        ));
+    }
+    struct Load<B: Backend> {
+        flat: Tensor<B, 1>,
+        offset: usize,
+    }
+    impl<B: Backend> ModuleMapper<B> for Load<B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, old, mapper) = param.consume();
+            let n = old.shape().num_elements();
+            let value = self
+                .flat
+                .clone()
+                .narrow(0, self.offset, n)
+                .reshape(old.dims())
+                .to_device(&old.device())
+                .detach()
+                .set_require_grad(old.is_require_grad());
+            self.offset += n;
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    Ok(module.map(&mut Load {
+        flat: flat.clone(),
+        offset: 0,
+    }))
+}
+
+/// Rebuilds the full model from its stages: every float parameter of `model` takes the value
+/// of the stage parameter with the same [`ParamId`], moved to the model parameter's device.
+///
+/// Stages made by [`super::PipelineModel::stage`] keep their model's parameter ids, and
+/// [`load_flat`], `fork` and `to_device` preserve them, so after training each rank's stages
+/// can be recombined into a template of the model (for example the model the stages were cut
+/// from) and compared with a model trained on one device. Every model parameter must be found
+/// in some stage with the same shape.
+pub fn recombine<B: Backend, M: Module<B>, S: Module<B>>(
+    model: M,
+    stages: &[S],
+) -> Result<M, ModelError> {
+    struct Collect<B: Backend> {
+        values: HashMap<ParamId, (Vec<usize>, Tensor<B, 1>)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Collect<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val().detach();
+            let dims = value.dims().to_vec();
+            let n = value.shape().num_elements();
+            self.values.insert(param.id, (dims, value.reshape([n])));
+        }
+    }
+    let mut collect = Collect {
+        values: HashMap::new(),
+    };
+    for stage in stages {
+        stage.visit(&mut collect);
+    }
+
+    struct Replace<B: Backend> {
+        values: HashMap<ParamId, (Vec<usize>, Tensor<B, 1>)>,
+        // A mapper cannot fail, so the first problem is kept and reported after the walk.
+        error: Option<ModelError>,
+    }
+    impl<B: Backend> ModuleMapper<B> for Replace<B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, old, mapper) = param.consume();
+            let found = self.values.get(&id).cloned();
+            let value = match found {
+                Some((dims, flat)) if dims == old.dims() => flat
+                    .reshape(old.dims())
+                    .to_device(&old.device())
+                    .detach()
+                    .set_require_grad(old.is_require_grad()),
+                Some((dims, _)) => {
+                    self.error.get_or_insert(ModelError::shape(
+                        format!("parameter {id}"),
+                        format!("{:?}", old.dims()),
+                        format!("{dims:?}"),
+                    ));
+                    old
+                }
+                None => {
+                    self.error.get_or_insert(ModelError::Params(format!(
+                        "model parameter {id} of shape {:?} is in none of the stages; \
+                         recombine stages cut from this model (or a clone of it)",
+                        old.dims()
+                    )));
+                    old
+                }
+            };
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    let mut replace = Replace {
+        values: collect.values,
+        error: None,
+    };
+    let model = model.map(&mut replace);
+    match replace.error {
+        Some(e) => Err(e),
+        None => Ok(model),
+    }
+}
