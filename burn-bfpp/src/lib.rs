@@ -7,4 +7,5 @@
 
 pub mod comm;
 pub mod model;
+pub mod optim;
 pub mod schedule;
