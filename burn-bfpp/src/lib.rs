@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod comm;
+pub mod data;
 pub mod model;
 pub mod optim;
 pub mod schedule;
