@@ -10,3 +10,4 @@ pub mod data;
 pub mod model;
 pub mod optim;
 pub mod schedule;
+pub mod sim;

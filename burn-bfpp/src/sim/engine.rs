@@ -1,0 +1,600 @@
+//! The event engine: walks every rank's lowered list once, in order, giving each action a
+//! start and end on its stream (see the module docs of [`crate::sim`] for the rules).
+//!
+//! Why one pass in list order is exact: every dependency of an action is either on its own
+//! rank and earlier in the list (a producer compute, the stage's `UNSHARD`, a `RESHARD`, a
+//! `REDUCE_GRAD`), or the arrival of a message sent by another rank. Streams run their actions
+//! in list order, so a stream's clock when an action is reached is the end of its
+//! predecessor on that stream. A rank whose next action needs a message not yet sent waits
+//! (in processing order, not in simulated time) until the sender's `SEND` is processed, as
+//! the schedule replay does; sends never wait for receives, so a schedule that is deadlock
+//! free under blocking sends (what the validator proves) completes here.
+
+use std::collections::VecDeque;
+
+use crate::schedule::{Action, ActionKind, PipelineSchedule, ZeroLevel};
+
+use super::cost::CostTable;
+use super::memory::{static_bytes, Ledger};
+use super::result::{Interval, RankTrace, SimResult, TraceItem};
+use super::{SimConfig, SimError};
+
+const UNKNOWN: f64 = f64::NAN;
+
+/// One rank's streams and bookkeeping.
+struct RankState {
+    pos: usize,
+    compute_free: f64,
+    send_free: f64,
+    dp_free: f64,
+    /// End of the latest `UNSHARD` of each stage (NaN: none yet), indexed by global stage.
+    unshard_end: Vec<f64>,
+    /// End of the latest weight-gradient compute of each stage.
+    wgrad_end: Vec<f64>,
+    /// Whether each stage's gathered weights are held (ZeRO-3 memory accounting).
+    gathered: Vec<bool>,
+    /// Whether each stage holds an open full-size gradient buffer (ZeRO-2/3).
+    grad_open: Vec<bool>,
+    /// Times of `RESHARD`s not yet claimed by a later `UNSHARD`.
+    reshards: VecDeque<f64>,
+    /// Times at which gradient buffers became free, oldest first (ZeRO-2/3).
+    grad_free: VecDeque<f64>,
+    busy: f64,
+    exposed_p2p: f64,
+    exposed_dp: f64,
+    memory: Ledger,
+    activations: Ledger,
+    gathers: usize,
+    reductions: usize,
+    trace: RankTrace,
+}
+
+enum Step {
+    Ran,
+    /// Waits for a message from another rank.
+    Blocked,
+}
+
+struct Engine<'a> {
+    sched: &'a PipelineSchedule,
+    costs: &'a CostTable,
+    zero: ZeroLevel,
+    elem: u64,
+    mbs: usize,
+    f_end: Vec<f64>,
+    ig_end: Vec<f64>,
+    /// Arrival at the next stage's rank of F(s, m)'s output, and when its send started.
+    fwd_arrival: Vec<f64>,
+    fwd_sent: Vec<f64>,
+    /// Arrival at the previous stage's rank of B/I(s, m)'s input gradient.
+    bwd_arrival: Vec<f64>,
+    bwd_sent: Vec<f64>,
+    ranks: Vec<RankState>,
+}
+
+fn missing(rank: usize, a: Action, what: Action) -> SimError {
+    SimError::Schedule(format!(
+        "rank {rank} runs {a} before {what}, which it needs and must run itself first; \
+         validate the schedule"
+    ))
+}
+
+impl Engine<'_> {
+    fn idx(&self, stage: usize, mb: usize) -> usize {
+        stage * self.mbs + mb
+    }
+
+    fn local(&self, table: &[f64], rank: usize, a: Action, what: Action) -> Result<f64, SimError> {
+        let t = table[self.idx(what.stage, what.mb())];
+        if t.is_nan() {
+            Err(missing(rank, a, what))
+        } else {
+            Ok(t)
+        }
+    }
+
+    /// (produced, arrived) of a compute's inputs, or `None` while a message is not yet sent.
+    fn inputs(&self, rank: usize, a: Action) -> Result<Option<(f64, f64)>, SimError> {
+        let (s, m) = (a.stage, a.mb());
+        let owner = &self.sched.stage_ranks;
+        let last = self.sched.num_stages() - 1;
+        match a.kind {
+            ActionKind::Forward if s == 0 => Ok(Some((0.0, 0.0))),
+            ActionKind::Forward if owner[s - 1] == rank => {
+                let t = self.local(&self.f_end, rank, a, Action::forward(s - 1, m))?;
+                Ok(Some((t, t)))
+            }
+            ActionKind::Forward => {
+                let arrived = self.fwd_arrival[self.idx(s - 1, m)];
+                Ok((!arrived.is_nan()).then(|| (self.f_end[self.idx(s - 1, m)], arrived)))
+            }
+            ActionKind::Backward | ActionKind::BackwardInput => {
+                let own = self.local(&self.f_end, rank, a, Action::forward(s, m))?;
+                let grad = if s == last {
+                    Some((0.0, 0.0))
+                } else if owner[s + 1] == rank {
+                    let t = self.local(&self.ig_end, rank, a, Action::backward(s + 1, m))?;
+                    Some((t, t))
+                } else {
+                    let arrived = self.bwd_arrival[self.idx(s + 1, m)];
+                    (!arrived.is_nan()).then(|| (self.ig_end[self.idx(s + 1, m)], arrived))
+                };
+                Ok(grad.map(|(p, r)| (p.max(own), r.max(own))))
+            }
+            _ => {
+                let what = Action::new(s, ActionKind::BackwardInput, m);
+                let t = self.local(&self.ig_end, rank, a, what)?;
+                Ok(Some((t, t)))
+            }
+        }
+    }
+
+    fn compute(&mut self, rank: usize, a: Action) -> Result<Step, SimError> {
+        let Some((produced, arrived)) = self.inputs(rank, a)? else {
+            return Ok(Step::Blocked);
+        };
+        let (s, m) = (a.stage, a.mb());
+        let c = self.costs;
+        let full_grad_bytes = c.parameters[s] * self.elem;
+        let st = &mut self.ranks[rank];
+        let mut dp_ready = if st.unshard_end[s].is_nan() {
+            0.0
+        } else {
+            st.unshard_end[s]
+        };
+        let opens_buffer =
+            self.zero >= ZeroLevel::Zero2 && a.kind.produces_weight_grad() && !st.grad_open[s];
+        if opens_buffer {
+            let free = st.grad_free.pop_front().ok_or_else(|| {
+                SimError::Schedule(format!(
+                    "rank {rank}: {a} needs a gradient buffer but all are in use; set \
+                     grad_buffers to the value the schedule was lowered with"
+                ))
+            })?;
+            dp_ready = dp_ready.max(free);
+            st.grad_open[s] = true;
+        }
+        let start = st.compute_free.max(arrived).max(dp_ready);
+        st.exposed_p2p += (arrived - st.compute_free.max(produced)).max(0.0);
+        st.exposed_dp += (start - st.compute_free.max(arrived)).max(0.0);
+        let duration = match a.kind {
+            ActionKind::Forward => c.forward[s],
+            ActionKind::Backward => c.backward[s],
+            ActionKind::BackwardInput => c.backward_input[s],
+            _ => c.backward_weight[s],
+        };
+        let end = start + duration;
+        st.compute_free = end;
+        st.busy += duration;
+        if opens_buffer {
+            st.memory.alloc(start, full_grad_bytes);
+        }
+        st.trace.compute.push(Interval {
+            item: TraceItem::Action(a),
+            start,
+            end,
+        });
+        // A received message is consumed (copied into the stage's saved input, or used up
+        // by the backward) when the compute starts.
+        let owner = &self.sched.stage_ranks;
+        match a.kind {
+            ActionKind::Forward if s > 0 && owner[s - 1] != rank => {
+                st.memory.free(start, c.message_bytes[s - 1])
+            }
+            ActionKind::Backward | ActionKind::BackwardInput
+                if s + 1 < owner.len() && owner[s + 1] != rank =>
+            {
+                st.memory.free(start, c.message_bytes[s])
+            }
+            _ => {}
+        }
+        match a.kind {
+            ActionKind::Forward => {
+                st.memory.alloc(end, c.activation_bytes[s]);
+                st.activations.alloc(end, 1);
+            }
+            ActionKind::Backward | ActionKind::BackwardWeight => {
+                st.memory.free(end, c.activation_bytes[s]);
+                st.activations.free(end, 1);
+            }
+            _ => {}
+        }
+        if a.kind.produces_weight_grad() {
+            st.wgrad_end[s] = end;
+        }
+        let i = self.idx(s, m);
+        match a.kind {
+            ActionKind::Forward => self.f_end[i] = end,
+            ActionKind::Backward | ActionKind::BackwardInput => self.ig_end[i] = end,
+            _ => {}
+        }
+        Ok(Step::Ran)
+    }
+
+    /// A send; returns the rank to wake.
+    fn send(&mut self, rank: usize, a: Action) -> Result<usize, SimError> {
+        let (s, m) = (a.stage, a.mb());
+        let stages = self.sched.num_stages();
+        let forward = a.kind == ActionKind::SendForward;
+        let (boundary, peer_stage) = match forward {
+            true if s + 1 < stages => (s, s + 1),
+            false if s > 0 => (s - 1, s - 1),
+            _ => {
+                return Err(SimError::Schedule(format!(
+                    "rank {rank} has {a}, which has no peer stage"
+                )))
+            }
+        };
+        let data = if forward {
+            self.local(&self.f_end, rank, a, Action::forward(s, m))?
+        } else {
+            self.local(&self.ig_end, rank, a, Action::backward(s, m))?
+        };
+        let i = self.idx(s, m);
+        let peer = self.sched.stage_ranks[peer_stage];
+        let bytes = self.costs.message_bytes[boundary];
+        let st = &mut self.ranks[rank];
+        let start = st.send_free.max(data);
+        let end = start + self.costs.transfer[boundary];
+        st.send_free = end;
+        // The sender keeps the outgoing tensor until it is on the wire.
+        st.memory.alloc(data, bytes);
+        st.memory.free(end, bytes);
+        st.trace.p2p.push(Interval {
+            item: TraceItem::Action(a),
+            start,
+            end,
+        });
+        // The receiver's buffer is allocated when the transfer starts.
+        self.ranks[peer].memory.alloc(start, bytes);
+        if forward {
+            self.fwd_arrival[i] = end;
+            self.fwd_sent[i] = start;
+        } else {
+            self.bwd_arrival[i] = end;
+            self.bwd_sent[i] = start;
+        }
+        Ok(peer)
+    }
+
+    fn recv(&mut self, rank: usize, a: Action) -> Result<Step, SimError> {
+        let (s, m) = (a.stage, a.mb());
+        let from = match a.kind {
+            ActionKind::RecvForward => s.checked_sub(1),
+            _ => Some(s + 1).filter(|&n| n < self.sched.num_stages()),
+        };
+        let Some(from) = from else {
+            return Err(SimError::Schedule(format!(
+                "rank {rank} has {a}, which has no peer stage"
+            )));
+        };
+        let i = self.idx(from, m);
+        let (arrived, sent) = if a.kind == ActionKind::RecvForward {
+            (self.fwd_arrival[i], self.fwd_sent[i])
+        } else {
+            (self.bwd_arrival[i], self.bwd_sent[i])
+        };
+        if arrived.is_nan() {
+            return Ok(Step::Blocked);
+        }
+        self.ranks[rank].trace.p2p.push(Interval {
+            item: TraceItem::Action(a),
+            start: sent,
+            end: arrived,
+        });
+        Ok(Step::Ran)
+    }
+
+    fn collective(&mut self, rank: usize, a: Action) {
+        let s = a.stage;
+        let c = self.costs;
+        let weight_bytes = c.parameters[s] * self.elem;
+        let zero3 = self.zero == ZeroLevel::Zero3;
+        let zero2 = self.zero >= ZeroLevel::Zero2;
+        let st = &mut self.ranks[rank];
+        match a.kind {
+            ActionKind::Unshard => {
+                // Reuse the buffer of the oldest free not yet taken.
+                let claim = st.reshards.pop_front().unwrap_or(0.0);
+                let start = st.dp_free.max(claim);
+                let end = start + c.gather[s];
+                st.dp_free = end;
+                st.unshard_end[s] = end;
+                st.gathers += 1;
+                if zero3 && !st.gathered[s] {
+                    st.memory.alloc(start, weight_bytes);
+                    st.gathered[s] = true;
+                }
+                st.trace.dp.push(Interval {
+                    item: TraceItem::Action(a),
+                    start,
+                    end,
+                });
+            }
+            ActionKind::Reshard => {
+                let gathered = if st.unshard_end[s].is_nan() {
+                    0.0
+                } else {
+                    st.unshard_end[s]
+                };
+                let t = st.compute_free.max(gathered);
+                st.reshards.push_back(t);
+                if st.gathered[s] {
+                    st.memory.free(t, weight_bytes);
+                    st.gathered[s] = false;
+                }
+                st.trace.compute.push(Interval {
+                    item: TraceItem::Action(a),
+                    start: t,
+                    end: t,
+                });
+            }
+            _ => {
+                let ready = if st.wgrad_end[s].is_nan() {
+                    0.0
+                } else {
+                    st.wgrad_end[s]
+                };
+                let start = st.dp_free.max(ready);
+                let end = start + c.reduce[s];
+                st.dp_free = end;
+                st.reductions += 1;
+                if zero2 {
+                    st.grad_free.push_back(end);
+                    if st.grad_open[s] {
+                        st.memory.free(end, weight_bytes);
+                        st.grad_open[s] = false;
+                    }
+                }
+                st.trace.dp.push(Interval {
+                    item: TraceItem::Action(a),
+                    start,
+                    end,
+                });
+            }
+        }
+    }
+
+    /// Run the head of `rank`'s list; `Some(peer)` when a send may have unblocked `peer`.
+    fn step(&mut self, rank: usize, a: Action) -> Result<(Step, Option<usize>), SimError> {
+        Ok(match a.kind {
+            k if k.is_compute() => (self.compute(rank, a)?, None),
+            ActionKind::SendForward | ActionKind::SendBackward => {
+                (Step::Ran, Some(self.send(rank, a)?))
+            }
+            ActionKind::RecvForward | ActionKind::RecvBackward => (self.recv(rank, a)?, None),
+            _ => {
+                self.collective(rank, a);
+                (Step::Ran, None)
+            }
+        })
+    }
+}
+
+/// Check that the schedule is in range, lowered, and lowered for `cfg`'s ZeRO level.
+fn check_schedule(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<(), SimError> {
+    let (n, stages, mbs) = (
+        schedule.num_ranks(),
+        schedule.num_stages(),
+        schedule.microbatches,
+    );
+    let bad = |msg: String| Err(SimError::Schedule(msg));
+    if n == 0 || stages == 0 || mbs == 0 {
+        return bad("the schedule is empty (no ranks, stages or micro-batches)".into());
+    }
+    if let Some(&r) = schedule.stage_ranks.iter().find(|&&r| r >= n) {
+        return bad(format!(
+            "the placement names rank {r} but there are {n} ranks"
+        ));
+    }
+    for (rank, list) in schedule.ranks.iter().enumerate() {
+        for a in list {
+            if a.stage >= stages || a.microbatch.is_some_and(|m| m >= mbs) {
+                return bad(format!(
+                    "rank {rank} has {a}, outside {stages} stages × {mbs} micro-batches"
+                ));
+            }
+            if schedule.stage_ranks[a.stage] != rank {
+                return bad(format!(
+                    "rank {rank} has {a}, but stage {} lives on rank {}",
+                    a.stage, schedule.stage_ranks[a.stage]
+                ));
+            }
+        }
+    }
+    let crosses = schedule.stage_ranks.windows(2).any(|w| w[0] != w[1]);
+    if crosses && !schedule.has_p2p() {
+        return bad("the schedule has no SEND/RECV actions; lower it with lower_p2p first".into());
+    }
+    let all = || schedule.ranks.iter().flatten();
+    let unshards = all().any(|a| a.kind == ActionKind::Unshard);
+    let reduces = all().any(|a| a.kind == ActionKind::ReduceGrad);
+    if (cfg.zero == ZeroLevel::Zero0) == unshards {
+        return bad(format!(
+            "the schedule {} UNSHARD actions but the configuration says ZeRO-{}; lower it with \
+             lower_data_parallel at the same level",
+            if unshards { "has" } else { "has no" },
+            cfg.zero.number()
+        ));
+    }
+    if !reduces && (cfg.dp > 1 || cfg.zero != ZeroLevel::Zero0) {
+        return bad(
+            "the schedule has no REDUCE_GRAD actions; lower it with lower_data_parallel".into(),
+        );
+    }
+    Ok(())
+}
+
+/// Simulate one optimizer step of a lowered schedule (see [`crate::sim`] for the semantics).
+///
+/// Fails on an invalid configuration, on a schedule that is not lowered for the
+/// configuration's ZeRO level, and on one that deadlocks or runs a compute before its own
+/// inputs.
+pub fn simulate(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<SimResult, SimError> {
+    cfg.check()?;
+    check_schedule(schedule, cfg)?;
+    let (n, stages, mbs) = (
+        schedule.num_ranks(),
+        schedule.num_stages(),
+        schedule.microbatches,
+    );
+    let costs = CostTable::new(cfg, &schedule.stage_ranks, n, mbs)?;
+    let slots = stages * mbs;
+    let zero2 = cfg.zero >= ZeroLevel::Zero2;
+    let mut engine = Engine {
+        sched: schedule,
+        costs: &costs,
+        zero: cfg.zero,
+        elem: cfg.dtype.bytes(),
+        mbs,
+        f_end: vec![UNKNOWN; slots],
+        ig_end: vec![UNKNOWN; slots],
+        fwd_arrival: vec![UNKNOWN; slots],
+        fwd_sent: vec![UNKNOWN; slots],
+        bwd_arrival: vec![UNKNOWN; slots],
+        bwd_sent: vec![UNKNOWN; slots],
+        ranks: schedule
+            .ranks
+            .iter()
+            .map(|list| RankState {
+                pos: 0,
+                compute_free: 0.0,
+                send_free: 0.0,
+                dp_free: 0.0,
+                unshard_end: vec![UNKNOWN; stages],
+                wgrad_end: vec![UNKNOWN; stages],
+                gathered: vec![false; stages],
+                grad_open: vec![false; stages],
+                reshards: VecDeque::new(),
+                grad_free: if zero2 {
+                    vec![0.0; cfg.grad_buffers].into()
+                } else {
+                    VecDeque::new()
+                },
+                busy: 0.0,
+                exposed_p2p: 0.0,
+                exposed_dp: 0.0,
+                memory: Ledger::default(),
+                activations: Ledger::default(),
+                gathers: 0,
+                reductions: 0,
+                trace: RankTrace {
+                    compute: Vec::with_capacity(list.len()),
+                    p2p: Vec::new(),
+                    dp: Vec::new(),
+                },
+            })
+            .collect(),
+    };
+    let mut queue: VecDeque<usize> = (0..n).collect();
+    let mut queued = vec![true; n];
+    while let Some(rank) = queue.pop_front() {
+        queued[rank] = false;
+        let list = &schedule.ranks[rank];
+        while let Some(&a) = list.get(engine.ranks[rank].pos) {
+            let (step, wake) = engine.step(rank, a)?;
+            if let Some(peer) = wake {
+                if !queued[peer] && peer != rank {
+                    queued[peer] = true;
+                    queue.push_back(peer);
+                }
+            }
+            match step {
+                Step::Ran => engine.ranks[rank].pos += 1,
+                Step::Blocked => break,
+            }
+        }
+    }
+    let stuck: Vec<String> = engine
+        .ranks
+        .iter()
+        .enumerate()
+        .filter_map(|(r, st)| {
+            schedule.ranks[r]
+                .get(st.pos)
+                .map(|a| format!("rank {r} waits at {a} (position {})", st.pos))
+        })
+        .collect();
+    if !stuck.is_empty() {
+        return Err(SimError::Schedule(format!(
+            "the schedule deadlocks (a receive whose send never comes): {}",
+            stuck.join("; ")
+        )));
+    }
+    Ok(finish(engine.ranks, schedule, cfg, &costs))
+}
+
+/// Optimizer step, totals and per-rank peaks.
+fn finish(
+    ranks: Vec<RankState>,
+    schedule: &PipelineSchedule,
+    cfg: &SimConfig,
+    costs: &CostTable,
+) -> SimResult {
+    let n = ranks.len();
+    let mut local_stages: Vec<Vec<u64>> = vec![Vec::new(); n];
+    for (s, &r) in schedule.stage_ranks.iter().enumerate() {
+        local_stages[r].push(costs.parameters[s]);
+    }
+    let mut step_time: f64 = 0.0;
+    let mut ideal: f64 = 0.0;
+    let mut out = SimResult {
+        unit_time: costs.unit_time,
+        step_time_s: 0.0,
+        tokens_per_s: 0.0,
+        tflops_per_gpu: 0.0,
+        mfu: 0.0,
+        bubble_fraction: 0.0,
+        ideal_compute_s: 0.0,
+        exposed_p2p_s: 0.0,
+        exposed_dp_s: 0.0,
+        exposed_p2p_per_rank: Vec::with_capacity(n),
+        exposed_dp_per_rank: Vec::with_capacity(n),
+        optimizer_s: costs.optimizer.clone(),
+        peak_memory_bytes: Vec::with_capacity(n),
+        device_memory_bytes: cfg.hardware.memory_bytes,
+        peak_activation_microbatches: Vec::with_capacity(n),
+        all_gathers: Vec::with_capacity(n),
+        reduce_scatters: Vec::with_capacity(n),
+        trace: Vec::with_capacity(n),
+    };
+    for (r, mut st) in ranks.into_iter().enumerate() {
+        // The optimizer waits for every reduction; that wait is exposed data-parallel time.
+        st.exposed_dp += (st.dp_free - st.compute_free).max(0.0);
+        let start = st.compute_free.max(st.dp_free);
+        let end = start + costs.optimizer[r];
+        st.trace.compute.push(Interval {
+            item: TraceItem::OptimizerStep,
+            start,
+            end,
+        });
+        step_time = step_time.max(end).max(st.send_free);
+        ideal = ideal.max(st.busy);
+        let stages_here = local_stages[r].len().max(1) as f64;
+        out.peak_activation_microbatches
+            .push(st.activations.peak() as f64 / stages_here);
+        let fixed = static_bytes(local_stages[r].iter().copied(), cfg.zero, cfg.dp, cfg.dtype);
+        out.peak_memory_bytes.push(fixed + st.memory.peak());
+        out.exposed_p2p_per_rank.push(st.exposed_p2p);
+        out.exposed_dp_per_rank.push(st.exposed_dp);
+        out.all_gathers.push(st.gathers);
+        out.reduce_scatters.push(st.reductions);
+        out.trace.push(st.trace);
+    }
+    out.step_time_s = step_time;
+    out.ideal_compute_s = ideal;
+    out.bubble_fraction = if ideal > 0.0 {
+        (step_time - ideal) / ideal
+    } else {
+        0.0
+    };
+    out.exposed_p2p_s = out.exposed_p2p_per_rank.iter().copied().fold(0.0, f64::max);
+    out.exposed_dp_s = out.exposed_dp_per_rank.iter().copied().fold(0.0, f64::max);
+    if step_time > 0.0 {
+        out.tokens_per_s = costs.tokens_per_step * cfg.dp as f64 / step_time;
+        let gpus_per_replica = (n * cfg.tp) as f64;
+        out.tflops_per_gpu = costs.step_model_flops / gpus_per_replica / step_time / 1e12;
+        out.mfu = out.tflops_per_gpu * 1e12 / cfg.hardware.peak_flops;
+    }
+    out
+}

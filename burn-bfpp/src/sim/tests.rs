@@ -1,0 +1,369 @@
+//! Checks of the simulator against the closed forms of the reference, hand-computed memory,
+//! and the JSON contract.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::schedule::{
+    lower_data_parallel, lower_p2p, DataParallelLowering, PipelineSchedule, ScheduleKind,
+    ScheduleSpec, ZeroLevel,
+};
+
+fn lowered(kind: ScheduleKind, p: usize, v: usize, m: usize, zero: ZeroLevel) -> PipelineSchedule {
+    let s = ScheduleSpec::new(kind, p, v, m).generate().unwrap();
+    lower_data_parallel(&lower_p2p(&s).unwrap(), &DataParallelLowering::new(zero)).unwrap()
+}
+
+fn unit(backward_ratio: f64, zero: ZeroLevel) -> SimConfig {
+    let mut cfg = SimConfig::unit();
+    cfg.model = ModelConfig::Unit(UnitModel {
+        backward_ratio,
+        ..UnitModel::default()
+    });
+    cfg.zero = zero;
+    cfg
+}
+
+/// The reference's bubble closed forms, zero latency.
+fn expected_bubble(kind: ScheduleKind, p: usize, v: usize, m: usize) -> f64 {
+    let (pf, vf, mf) = (p as f64, v as f64, m as f64);
+    match kind {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB => (pf - 1.0) / mf,
+        ScheduleKind::BreadthFirst if m < p => {
+            // step = (V·P + M − 1)·(t_f + t_b)/V, ideal = M·(t_f + t_b).
+            (vf * pf + mf - 1.0) / (vf * mf) - 1.0
+        }
+        _ => (pf - 1.0) / (vf * mf),
+    }
+}
+
+/// A valid (kind, P, V, M) for the generators, or `None`.
+fn layout(kind: ScheduleKind, p: usize, v: usize, m: usize) -> Option<(usize, usize, usize)> {
+    match kind {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB => Some((p, 1, m)),
+        // Megatron-LM's interleaving needs M to be a multiple of P.
+        ScheduleKind::Interleaved => {
+            let m = (m.div_ceil(p) * p).min(32 / p * p);
+            Some((p, v, m))
+        }
+        ScheduleKind::BreadthFirst => Some((p, v, m)),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn unit_bubble_matches_closed_forms_for_every_schedule(
+        kind_index in 0usize..4,
+        p in 1usize..=8,
+        v in 1usize..=4,
+        m in 1usize..=32,
+        ratio in prop::sample::select(vec![0.5, 1.0, 2.0, 3.0]),
+        zero in prop::sample::select(vec![ZeroLevel::Zero0, ZeroLevel::Zero3]),
+    ) {
+        let kind = ScheduleKind::ALL[kind_index];
+        let (p, v, m) = layout(kind, p, v, m).unwrap();
+        let sched = lowered(kind, p, v, m, zero);
+        let r = simulate(&sched, &unit(ratio, zero)).unwrap();
+        let want = expected_bubble(kind, p, v, m);
+        prop_assert!(
+            (r.bubble_fraction - want).abs() < 1e-9,
+            "{kind} P={p} V={v} M={m} ratio={ratio}: simulated {} vs closed form {want}",
+            r.bubble_fraction
+        );
+        // Unit communication is free: nothing is exposed.
+        prop_assert_eq!(r.exposed_p2p_s, 0.0);
+        prop_assert_eq!(r.exposed_dp_s, 0.0);
+    }
+
+    #[test]
+    fn unit_peak_activations_match_closed_forms(
+        kind_index in 0usize..4,
+        p in 1usize..=8,
+        v in 1usize..=4,
+        m in 1usize..=32,
+    ) {
+        let kind = ScheduleKind::ALL[kind_index];
+        let (p, v, m) = layout(kind, p, v, m).unwrap();
+        let r = simulate(&lowered(kind, p, v, m, ZeroLevel::Zero0), &unit(2.0, ZeroLevel::Zero0))
+            .unwrap();
+        let acts = &r.peak_activation_microbatches;
+        match kind {
+            ScheduleKind::GPipe => prop_assert!(acts.iter().all(|&a| a == m as f64), "{acts:?}"),
+            ScheduleKind::OneFOneB => prop_assert_eq!(acts[0], m.min(p) as f64),
+            ScheduleKind::BreadthFirst => {
+                prop_assert!(acts.iter().all(|&a| a == m as f64), "{acts:?}")
+            }
+            ScheduleKind::Interleaved => {}
+        }
+    }
+}
+
+#[test]
+fn bubble_does_not_depend_on_the_backward_ratio() {
+    for kind in ScheduleKind::ALL {
+        let (p, v, m) = layout(kind, 4, 3, 6).unwrap();
+        let sched = lowered(kind, p, v, m, ZeroLevel::Zero3);
+        let bubbles: Vec<f64> = [0.5, 1.0, 2.0, 3.5]
+            .iter()
+            .map(|&ratio| {
+                simulate(&sched, &unit(ratio, ZeroLevel::Zero3))
+                    .unwrap()
+                    .bubble_fraction
+            })
+            .collect();
+        assert!(
+            bubbles.iter().all(|b| (b - bubbles[0]).abs() < 1e-12),
+            "{kind}: {bubbles:?}"
+        );
+    }
+}
+
+/// One rank (P = 1) with two stages (V = 2) of 1000 parameters each, M = 2 breadth-first,
+/// D = 4, bf16, 100 activation bytes per stage and micro-batch, two gradient buffers.
+///
+/// Static state with Ψ = 2000 parameters on the rank, shard = 1000/4 = 250 per stage
+/// (500 on the rank), bytes per parameter 2 (weights) + 2 (grads) + 12 (Adam):
+/// - ZeRO-0: 2000·(2 + 2 + 12) = 32 000.
+/// - ZeRO-1: 2000·2 + 2000·2 + 500·12 = 4000 + 4000 + 6000 = 14 000.
+/// - ZeRO-2: 2000·2 + 500·2 + 500·12 = 4000 + 1000 + 6000 = 11 000.
+/// - ZeRO-3: 500·2 + 500·2 + 500·12 = 1000 + 1000 + 6000 = 8000.
+///
+/// Timeline (unit times): F(0,0) 0–1, F(0,1) 1–2, F(1,0) 2–3, F(1,1) 3–4, B(1,0) 4–6, …
+/// At t = 4 all V·M = 4 activations are live (400 bytes). Dynamic peak at t = 4:
+/// - ZeRO-0/1: activations only, 400.
+/// - ZeRO-2: + stage 1's full gradient buffer opened by B(1,0), 1000·2 = 2000 → 2400.
+/// - ZeRO-3: + both stages' gathered weights (two buffers, both stages stay resident),
+///   2·1000·2 = 4000 → 6400.
+#[test]
+fn memory_by_zero_level_matches_hand_arithmetic() {
+    let expected = [
+        (ZeroLevel::Zero0, 32_000 + 400),
+        (ZeroLevel::Zero1, 14_000 + 400),
+        (ZeroLevel::Zero2, 11_000 + 2400),
+        (ZeroLevel::Zero3, 8000 + 6400),
+    ];
+    for (zero, bytes) in expected {
+        let mut cfg = unit(2.0, zero);
+        cfg.dp = 4;
+        cfg.model = ModelConfig::Unit(UnitModel {
+            stage_parameters: 1000,
+            stage_activation_bytes: 100,
+            ..UnitModel::default()
+        });
+        let r = simulate(&lowered(ScheduleKind::BreadthFirst, 1, 2, 2, zero), &cfg).unwrap();
+        assert_eq!(r.peak_memory_bytes, vec![bytes], "ZeRO-{}", zero.number());
+    }
+}
+
+#[test]
+fn json_has_exactly_the_documented_keys() {
+    let r = simulate(
+        &lowered(ScheduleKind::BreadthFirst, 2, 2, 4, ZeroLevel::Zero3),
+        &unit(2.0, ZeroLevel::Zero3),
+    )
+    .unwrap();
+    let text = r.to_json().to_string();
+    let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut keys: Vec<&str> = parsed
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    let mut want = JSON_KEYS.to_vec();
+    want.sort_unstable();
+    assert_eq!(keys, want);
+    for k in [
+        "peak_memory_bytes",
+        "peak_activation_microbatches",
+        "all_gathers",
+        "reduce_scatters",
+    ] {
+        assert_eq!(parsed[k].as_array().unwrap().len(), 2, "{k}");
+    }
+    // Two weight buffers hold both local stages: each is gathered once and kept.
+    assert_eq!(parsed["all_gathers"][0], 2);
+    assert_eq!(parsed["reduce_scatters"][0], 2);
+}
+
+#[test]
+fn presets_load_and_unknown_names_list_the_valid_ones() {
+    for name in MODEL_PRESETS {
+        ModelConfig::preset(name).unwrap().check().unwrap();
+    }
+    for name in HARDWARE_PRESETS {
+        HardwareConfig::preset(name).unwrap().check().unwrap();
+    }
+    let err = ModelConfig::preset("gpt-9t").unwrap_err().to_string();
+    assert!(err.contains("gpt-52b") && err.contains("unit"), "{err}");
+    let err = HardwareConfig::preset("tpu").unwrap_err().to_string();
+    assert!(err.contains("h200-141gb"), "{err}");
+}
+
+#[test]
+fn gpt_formulas_agree_with_each_other() {
+    let ModelConfig::Gpt(g) = ModelConfig::preset("gpt-52b").unwrap() else {
+        unreachable!()
+    };
+    // 12·L·h² ≈ 51.5 B plus embeddings.
+    let params = g.layers as u64 * g.layer_parameters() + g.embedding_parameters();
+    assert!((51.0e9..53.0e9).contains(&(params as f64)), "{params}");
+    // Per-layer and head FLOPs, times 3 for forward + backward, give the step formula.
+    let b = 4;
+    let per_step = 3.0 * (g.layers as f64 * g.layer_forward_flops(b) + g.head_forward_flops(b));
+    let formula = g.step_model_flops(b);
+    assert!((per_step / formula - 1.0).abs() < 1e-12);
+    // The GEMM list covers exactly the layer's FLOPs, for any tensor-parallel size.
+    for t in [1, 2, 8] {
+        let gemm: f64 = g
+            .layer_gemms(b, t)
+            .iter()
+            .map(|&(m, n, k, batch)| 2.0 * (m * n * k * batch) as f64)
+            .sum();
+        assert!((gemm * t as f64 / g.layer_forward_flops(b) - 1.0).abs() < 1e-12);
+    }
+    // Korthikanti et al.: 34 + 5·a·s/h bytes per s·b·h at t = 1, 34 with flash attention.
+    let sbh = (g.sequence * g.hidden) as f64;
+    let full = g.layer_activation_bytes(1, 1, false, false) / sbh;
+    let five_as_h = 5.0 * (g.heads * g.sequence) as f64 / g.hidden as f64;
+    assert!((full - 34.0 - five_as_h).abs() < 1e-9);
+    assert_eq!(g.layer_activation_bytes(1, 1, true, false) / sbh, 34.0);
+    assert_eq!(g.layer_activation_bytes(1, 1, true, true) / sbh, 2.0);
+}
+
+#[test]
+fn toml_configs_read_presets_and_inline_tables() {
+    let cfg = SimConfig::from_toml_str(
+        r#"
+        model = "gpt-52b"
+        hardware = "a100-80gb"
+        dp = 8
+        zero = 3
+        recompute = true
+        dtype = "bf16"
+        "#,
+    )
+    .unwrap();
+    assert_eq!(
+        (cfg.dp, cfg.zero, cfg.recompute),
+        (8, ZeroLevel::Zero3, true)
+    );
+    let cfg = SimConfig::from_toml_str(
+        r#"
+        hardware = "h100-80gb"
+        [model]
+        kind = "unit"
+        backward_ratio = 3.0
+        "#,
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.model,
+        ModelConfig::Unit(UnitModel {
+            backward_ratio: 3.0,
+            ..UnitModel::default()
+        })
+    );
+    let model = ModelConfig::from_toml_str(
+        "kind = \"gpt\"\nlayers = 2\nhidden = 64\nheads = 4\nsequence = 16\nvocabulary = 128\n",
+    )
+    .unwrap();
+    assert!(matches!(
+        model,
+        ModelConfig::Gpt(GptShape { layers: 2, .. })
+    ));
+    for bad in [
+        "model = \"gpt-9t\"\nhardware = \"h100-80gb\"",
+        "model = \"unit\"\nhardware = \"h100-80gb\"\nzero = 4",
+        "model = \"unit\"\nhardware = \"h100-80gb\"\ndp = 0",
+        "model = \"unit\"\nhardware = \"h100-80gb\"\nbogus = 1",
+    ] {
+        assert!(SimConfig::from_toml_str(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn a_gpt_step_on_real_hardware_is_plausible() {
+    let mut cfg = SimConfig::new(
+        ModelConfig::preset("gpt-52b").unwrap(),
+        HardwareConfig::preset("a100-80gb").unwrap(),
+    );
+    cfg.dp = 8;
+    cfg.zero = ZeroLevel::Zero3;
+    let sched = lowered(ScheduleKind::BreadthFirst, 8, 4, 16, ZeroLevel::Zero3);
+    let r = simulate(&sched, &cfg).unwrap();
+    assert!(r.step_time_s > 0.0 && r.step_time_s.is_finite());
+    assert!(
+        r.mfu > 0.0 && r.mfu < cfg.hardware.gemm_efficiency,
+        "{}",
+        r.mfu
+    );
+    assert!(r.bubble_fraction > 0.0);
+    assert!(r.exposed_p2p_s >= 0.0 && r.exposed_dp_s >= 0.0);
+    assert!(r.exposed_p2p_s + r.exposed_dp_s < r.step_time_s);
+    assert!(r.peak_memory_bytes.iter().all(|&b| b > 0));
+    // Breadth-first: at most 2·V gathers and exactly V reductions per rank.
+    assert!(r.all_gathers.iter().all(|&g| g <= 8));
+    assert!(r.reduce_scatters.iter().all(|&g| g == 4));
+    // The trace covers every action once, plus the optimizer step.
+    let traced: usize = r
+        .trace
+        .iter()
+        .map(|t| t.compute.len() + t.p2p.len() + t.dp.len())
+        .sum();
+    let actions: usize = sched.ranks.iter().map(Vec::len).sum();
+    assert_eq!(traced, actions + sched.num_ranks());
+}
+
+#[test]
+fn unlowered_or_mismatched_schedules_are_refused() {
+    let raw = ScheduleSpec::new(ScheduleKind::GPipe, 2, 1, 2)
+        .generate()
+        .unwrap();
+    assert!(matches!(
+        simulate(&raw, &unit(2.0, ZeroLevel::Zero0)),
+        Err(SimError::Schedule(_))
+    ));
+    let z3 = lowered(ScheduleKind::GPipe, 2, 1, 2, ZeroLevel::Zero3);
+    assert!(matches!(
+        simulate(&z3, &unit(2.0, ZeroLevel::Zero0)),
+        Err(SimError::Schedule(_))
+    ));
+    let mut too_few = unit(2.0, ZeroLevel::Zero3);
+    too_few.grad_buffers = 1;
+    // Interleaved keeps two stages' gradients open at once; one buffer cannot hold them.
+    let interleaved = lowered(ScheduleKind::Interleaved, 2, 4, 4, ZeroLevel::Zero3);
+    assert!(matches!(
+        simulate(&interleaved, &too_few),
+        Err(SimError::Schedule(_))
+    ));
+}
+
+/// The acceptance size: P = 64, V = 8, M = 512, D = 8, ZeRO-3 must simulate in under 1 s in
+/// release. Run with `cargo test --release -p burn-bfpp sim::tests::large -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn large_schedule_simulates_quickly() {
+    let sched = lowered(ScheduleKind::BreadthFirst, 64, 8, 512, ZeroLevel::Zero3);
+    let model = ModelConfig::Gpt(GptShape {
+        layers: 512,
+        hidden: 8192,
+        heads: 64,
+        sequence: 2048,
+        vocabulary: 51200,
+    });
+    let mut cfg = SimConfig::new(model, HardwareConfig::preset("h100-80gb").unwrap());
+    cfg.dp = 8;
+    cfg.zero = ZeroLevel::Zero3;
+    let start = std::time::Instant::now();
+    let r = simulate(&sched, &cfg).unwrap();
+    let took = start.elapsed();
+    println!(
+        "P=64 V=8 M=512 D=8 ZeRO-3: simulated in {took:?}; step {:.3} s, MFU {:.3}",
+        r.step_time_s, r.mfu
+    );
+    assert!(took.as_secs_f64() < 1.0, "{took:?}");
+}
