@@ -7,6 +7,7 @@
 
 pub mod comm;
 pub mod data;
+pub mod engine;
 pub mod model;
 pub mod optim;
 pub mod schedule;

@@ -1,0 +1,60 @@
+//! Errors of the training engine.
+
+use crate::comm::CommError;
+use crate::model::ModelError;
+use crate::schedule::{Action, ScheduleError};
+
+/// Everything that can stop a pipelined training run.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The configuration is not usable; the text names the fix.
+    #[error("invalid training configuration: {0}")]
+    Config(String),
+    /// The schedule could not be generated or lowered.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// The model could not be split or a stage failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A rank's action failed.
+    #[error("rank {rank}, step {step}, action {action}: {source}")]
+    Action {
+        /// World rank.
+        rank: usize,
+        /// Optimizer step (1-based).
+        step: usize,
+        /// The action that failed.
+        action: Action,
+        /// Why.
+        #[source]
+        source: Box<EngineError>,
+    },
+    /// Communication with a peer failed (timeout, peer failure, mismatch).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The lowered program asked for data that no earlier action produced; a bug in the
+    /// schedule that the validator should have caught.
+    #[error("{what} of stage {stage}, micro-batch {microbatch} is not available")]
+    Missing {
+        /// What was missing (input activation, output gradient, …).
+        what: &'static str,
+        /// Stage.
+        stage: usize,
+        /// Micro-batch.
+        microbatch: usize,
+    },
+    /// An injected fault (`BFPP_FAULT_INJECT`), for testing failure handling.
+    #[error("injected fault on rank {rank} at step {step}")]
+    InjectedFault {
+        /// World rank.
+        rank: usize,
+        /// Optimizer step (1-based).
+        step: usize,
+    },
+    /// A rank panicked or was aborted; the text names the rank and the cause.
+    #[error("{0}")]
+    RankFailure(String),
+    /// The optimizer rejected its inputs.
+    #[error("optimizer: {0}")]
+    Optimizer(String),
+}

@@ -1,0 +1,592 @@
+//! The interpreter: runs one rank's lowered action list, one optimizer step at a time.
+//!
+//! It makes no scheduling decision of its own. Every transfer, gather, free and reduction
+//! happens where the lowered list puts it, so what runs is exactly what the validator checked
+//! and what the simulator timed.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+
+use super::shard::ShardLayout;
+use super::{EngineError, TimedEvent};
+use crate::comm::{Communicator, Group, ReduceOp};
+use crate::model::{
+    autodiff_lock, flatten_grads, flatten_params, input_grad, input_leaf, load_flat, loss_backward,
+    stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
+};
+use crate::optim::{clip_coefficient, clip_grad, sq_norm, AdamWSettings, ShardOptimizer};
+use crate::schedule::{Action, ActionKind, ZeroLevel};
+
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+
+/// One stage held by this rank: its module, its shard of the flat parameters and gradients,
+/// and the optimizer state of that shard.
+pub(crate) struct LocalStage<B: AutodiffBackend, S> {
+    /// Global stage index.
+    pub(crate) index: usize,
+    /// The stage's module; its parameter values are current only while gathered.
+    pub(crate) module: S,
+    layout: ShardLayout,
+    /// The part of the padded flat parameters this rank updates.
+    owned: Tensor<Inner<B>, 1>,
+    /// Gradients accumulated since the last reduction, full padded length.
+    grad_window: Option<Tensor<Inner<B>, 1>>,
+    /// Reduced gradients of the owned part, summed over this step's reductions.
+    grad_owned: Option<Tensor<Inner<B>, 1>>,
+    optimizer: ShardOptimizer<Inner<B>>,
+    gathered: bool,
+}
+
+impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
+    /// Take ownership of `module` as global stage `index` on a rank of a data-parallel group.
+    pub(crate) fn new(
+        index: usize,
+        module: S,
+        dp: usize,
+        dp_index: usize,
+        zero: ZeroLevel,
+        adamw: &AdamWSettings,
+    ) -> Self {
+        let flat = flatten_params(&module).inner();
+        let [numel] = flat.dims();
+        let layout = ShardLayout::new(numel, dp, dp_index, zero);
+        let padded = pad(flat, layout.padded);
+        let owned = padded.narrow(0, layout.owned_offset(), layout.owned_len());
+        let device = owned.device();
+        LocalStage {
+            index,
+            module,
+            layout,
+            optimizer: ShardOptimizer::new(layout.owned_len(), adamw.clone(), &device),
+            owned,
+            grad_window: None,
+            grad_owned: None,
+            // ZeRO-0 keeps its full, current weights; above, the list gathers them.
+            gathered: zero == ZeroLevel::Zero0,
+        }
+    }
+
+    /// Bytes of parameter values held now: the gathered full copy, and the owned shard when
+    /// it is a separate buffer.
+    fn param_bytes(&self) -> usize {
+        let full = if self.gathered { self.layout.numel } else { 0 };
+        let shard = if self.layout.sharded {
+            self.layout.owned_len()
+        } else {
+            0
+        };
+        (full + shard) * std::mem::size_of::<f32>()
+    }
+}
+
+/// Zero-pad a flat buffer to `len`.
+fn pad<B: burn::tensor::backend::Backend>(flat: Tensor<B, 1>, len: usize) -> Tensor<B, 1> {
+    let [n] = flat.dims();
+    if n == len {
+        return flat;
+    }
+    let zeros = Tensor::zeros([len - n], &flat.device());
+    Tensor::cat(vec![flat, zeros], 0)
+}
+
+/// A copy of `module` whose float parameters are new autodiff leaves over the same values.
+fn fresh_leaves<B: AutodiffBackend, M: Module<B>>(module: &M) -> M {
+    struct Fresh;
+    impl<B: AutodiffBackend> ModuleMapper<B> for Fresh {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, value, mapper) = param.consume();
+            Param::from_mapped_value(id, value.detach().require_grad(), mapper)
+        }
+    }
+    module.clone().map(&mut Fresh)
+}
+
+/// A stage run: the module copy it used, its input leaf (if not the first stage), its output.
+type StageRun<B, S> = (S, Option<Tensor<B, 3>>, StageOutput<B>);
+
+/// What a rank hands back after its last step.
+pub(crate) struct Finished<S> {
+    /// Its stages, by global index, with their final weights.
+    pub(crate) stages: Vec<(usize, S)>,
+    /// Every action it ran.
+    pub(crate) events: Vec<TimedEvent>,
+    /// Highest bytes of parameter values it held.
+    pub(crate) peak_param_bytes: usize,
+}
+
+/// What a forward keeps for its backward.
+struct Saved<B: AutodiffBackend, S> {
+    /// The module copy whose parameter leaves this micro-batch's graph starts from.
+    module: Option<S>,
+    /// The input leaf (None for the first stage, whose input is data).
+    leaf: Option<Tensor<B, 3>>,
+    /// The output (None under recomputation: the backward runs the forward again).
+    output: Option<StageOutput<B>>,
+    /// The input value, kept under recomputation to rebuild the leaf.
+    input: Option<Tensor<Inner<B>, 3>>,
+}
+
+/// Tag of the transfer that leaves `stage` for micro-batch `mb` (`backward`: gradient).
+fn tag(stage: usize, mb: usize, backward: bool) -> u64 {
+    ((stage as u64) << 33) | ((mb as u64) << 1) | u64::from(backward)
+}
+
+/// Settings shared by every rank's executor.
+#[derive(Debug, Clone)]
+pub(crate) struct ExecutorSettings {
+    pub(crate) zero: ZeroLevel,
+    pub(crate) recompute: bool,
+    pub(crate) microbatches: usize,
+    pub(crate) num_stages: usize,
+    /// Pipeline rank of every stage.
+    pub(crate) stage_ranks: Vec<usize>,
+    /// Shape of every activation passed between stages.
+    pub(crate) activation_shape: [usize; 3],
+    pub(crate) max_grad_norm: f64,
+}
+
+/// One rank's interpreter and its state.
+pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
+    comm: &'c C,
+    settings: ExecutorSettings,
+    program: Vec<Action>,
+    pub(crate) stages: Vec<LocalStage<B, S>>,
+    /// Index into `stages` of each global stage held here.
+    slot: HashMap<usize, usize>,
+    dp_index: usize,
+    // Per-step state, keyed by (stage, micro-batch).
+    inputs: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
+    saved: HashMap<(usize, usize), Saved<B, S>>,
+    out_grads: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
+    to_send_forward: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
+    to_send_backward: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
+    losses: Vec<f64>,
+    /// Recorded actions of the run: (step, action, start, end) in seconds since `epoch`.
+    pub(crate) events: Vec<TimedEvent>,
+    epoch: Instant,
+    /// Highest [`LocalStage::param_bytes`] total seen.
+    pub(crate) peak_param_bytes: usize,
+}
+
+impl<'c, B, S, C> RankExecutor<'c, B, S, C>
+where
+    B: AutodiffBackend,
+    S: PipelineStage<B>,
+    C: Communicator<Inner<B>>,
+{
+    pub(crate) fn new(
+        comm: &'c C,
+        settings: ExecutorSettings,
+        program: Vec<Action>,
+        stages: Vec<LocalStage<B, S>>,
+        epoch: Instant,
+    ) -> Self {
+        let slot = stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.index, i))
+            .collect();
+        let dp_index = comm.group_rank(Group::DataParallel);
+        let mut exec = RankExecutor {
+            comm,
+            settings,
+            program,
+            stages,
+            slot,
+            dp_index,
+            inputs: HashMap::new(),
+            saved: HashMap::new(),
+            out_grads: HashMap::new(),
+            to_send_forward: HashMap::new(),
+            to_send_backward: HashMap::new(),
+            losses: Vec::new(),
+            events: Vec::new(),
+            epoch,
+            peak_param_bytes: 0,
+        };
+        exec.note_memory();
+        exec
+    }
+
+    fn note_memory(&mut self) {
+        let bytes = self.stages.iter().map(LocalStage::param_bytes).sum();
+        self.peak_param_bytes = self.peak_param_bytes.max(bytes);
+    }
+
+    fn local(&self, stage: usize) -> bool {
+        self.slot.contains_key(&stage)
+    }
+
+    fn stage_mut(&mut self, stage: usize) -> Result<&mut LocalStage<B, S>, EngineError> {
+        let i = *self.slot.get(&stage).ok_or_else(|| {
+            EngineError::Config(format!(
+                "the program names stage {stage}, which this rank does not hold"
+            ))
+        })?;
+        Ok(&mut self.stages[i])
+    }
+
+    /// World rank of the data-parallel replica of the rank holding `stage`.
+    fn peer(&self, stage: usize) -> usize {
+        self.comm
+            .grid()
+            .rank_of(self.settings.stage_ranks[stage], self.dp_index)
+    }
+
+    /// Run the rank's program for one optimizer step (1-based `step`) and update the owned
+    /// shards with learning rate `lr`. Returns the step's mean loss on ranks holding the last
+    /// stage.
+    pub(crate) fn step(
+        &mut self,
+        step: usize,
+        lr: f64,
+        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+    ) -> Result<Option<f64>, EngineError> {
+        self.losses.clear();
+        let program = std::mem::take(&mut self.program);
+        let result: Result<(), EngineError> = program.iter().try_for_each(|&action| {
+            let start = self.epoch.elapsed().as_secs_f64();
+            self.run(action, batch)
+                .map_err(|source| EngineError::Action {
+                    rank: self.comm.rank(),
+                    step,
+                    action,
+                    source: Box::new(source),
+                })?;
+            let end = self.epoch.elapsed().as_secs_f64();
+            self.events.push(TimedEvent {
+                step,
+                action,
+                start,
+                end,
+            });
+            Ok(())
+        });
+        self.program = program;
+        result?;
+        self.optimizer_step(lr)?;
+        self.step_loss()
+    }
+
+    fn run(
+        &mut self,
+        action: Action,
+        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+    ) -> Result<(), EngineError> {
+        let (s, m) = (action.stage, action.mb());
+        match action.kind {
+            ActionKind::Forward => self.forward(s, m, batch),
+            ActionKind::Backward => self.backward(s, m, batch),
+            ActionKind::BackwardInput | ActionKind::BackwardWeight => Err(EngineError::Config(
+                "split backward (I/W) is not executed yet; generate schedules with full B".into(),
+            )),
+            ActionKind::SendForward => {
+                let t = self
+                    .to_send_forward
+                    .remove(&(s, m))
+                    .ok_or(EngineError::Missing {
+                        what: "forward output",
+                        stage: s,
+                        microbatch: m,
+                    })?;
+                let peer = self.peer(s + 1);
+                Ok(self.comm.send(peer, tag(s, m, false), t)?)
+            }
+            ActionKind::SendBackward => {
+                let t = self
+                    .to_send_backward
+                    .remove(&(s, m))
+                    .ok_or(EngineError::Missing {
+                        what: "input gradient",
+                        stage: s,
+                        microbatch: m,
+                    })?;
+                let peer = self.peer(s - 1);
+                Ok(self.comm.send(peer, tag(s, m, true), t)?)
+            }
+            ActionKind::RecvForward => {
+                let peer = self.peer(s - 1);
+                let t =
+                    self.comm
+                        .recv(peer, tag(s - 1, m, false), self.settings.activation_shape)?;
+                self.inputs.insert((s, m), t);
+                Ok(())
+            }
+            ActionKind::RecvBackward => {
+                let peer = self.peer(s + 1);
+                let t =
+                    self.comm
+                        .recv(peer, tag(s + 1, m, true), self.settings.activation_shape)?;
+                self.out_grads.insert((s, m), t);
+                Ok(())
+            }
+            ActionKind::Unshard => self.unshard(s),
+            ActionKind::Reshard => {
+                self.stage_mut(s)?.gathered = false;
+                Ok(())
+            }
+            ActionKind::ReduceGrad => self.reduce_grad(s),
+        }
+    }
+
+    /// Forward of micro-batch `m` through stage `s`; keeps what the backward needs and hands
+    /// the output to the next stage (in memory if it is local, else queued for `SEND_F`).
+    fn forward(
+        &mut self,
+        s: usize,
+        m: usize,
+        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+    ) -> Result<(), EngineError> {
+        let value = if s == 0 {
+            None
+        } else {
+            Some(self.inputs.remove(&(s, m)).ok_or(EngineError::Missing {
+                what: "input activation",
+                stage: s,
+                microbatch: m,
+            })?)
+        };
+        let (module, leaf, output) = self.run_stage(s, m, value.clone(), batch)?;
+        let autodiff = autodiff_lock();
+        let (out, loss) = match &output {
+            StageOutput::Hidden(h) => (Some(h.clone().inner()), None),
+            StageOutput::Loss(l) => (None, Some(l.clone().into_scalar().elem::<f64>())),
+        };
+        let saved = if self.settings.recompute {
+            drop((module, leaf, output));
+            Saved {
+                module: None,
+                leaf: None,
+                output: None,
+                input: value,
+            }
+        } else {
+            Saved {
+                module: Some(module),
+                leaf,
+                output: Some(output),
+                input: None,
+            }
+        };
+        drop(autodiff);
+        self.saved.insert((s, m), saved);
+        self.losses.extend(loss);
+        if let Some(out) = out {
+            if self.local(s + 1) {
+                self.inputs.insert((s + 1, m), out);
+            } else {
+                self.to_send_forward.insert((s, m), out);
+            }
+        }
+        Ok(())
+    }
+
+    /// Run stage `s` on micro-batch `m` with `value` as its input (None: the data).
+    fn run_stage(
+        &mut self,
+        s: usize,
+        m: usize,
+        value: Option<Tensor<Inner<B>, 3>>,
+        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+    ) -> Result<StageRun<B, S>, EngineError> {
+        let last = s + 1 == self.settings.num_stages;
+        let data = (s == 0 || last).then(|| batch(self.dp_index, m));
+        // Burn 0.21's autodiff registry is process-wide and not safe to drive from several
+        // threads (see crate::model::autodiff): record graphs only while holding the lock,
+        // and never hold it across a blocking communication.
+        let _autodiff = autodiff_lock();
+        let (input, leaf) = match (value, &data) {
+            (Some(v), _) => {
+                let leaf = input_leaf(Tensor::<B, 3>::from_inner(v));
+                (StageInput::Hidden(leaf.clone()), Some(leaf))
+            }
+            (None, Some(d)) => (StageInput::Data(d.inputs.clone()), None),
+            (None, None) => {
+                return Err(EngineError::Missing {
+                    what: "input activation",
+                    stage: s,
+                    microbatch: m,
+                })
+            }
+        };
+        let targets = if last {
+            data.as_ref().map(|d| &d.targets)
+        } else {
+            None
+        };
+        // Fresh parameter leaves for every micro-batch keep each (stage, micro-batch) graph
+        // self-contained: Burn 0.21 merges graphs that share leaves, and with ranks as
+        // threads the merged graphs of different micro-batches were seen to lose gradient
+        // contributions depending on the interleaving.
+        let module = fresh_leaves(&self.stage_mut(s)?.module);
+        let output = module.forward(input, targets)?;
+        Ok((module, leaf, output))
+    }
+
+    /// Backward of micro-batch `m` through stage `s`: accumulates the parameter gradients and
+    /// hands the input gradient to the previous stage.
+    fn backward(
+        &mut self,
+        s: usize,
+        m: usize,
+        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+    ) -> Result<(), EngineError> {
+        let saved = self.saved.remove(&(s, m)).ok_or(EngineError::Missing {
+            what: "saved forward",
+            stage: s,
+            microbatch: m,
+        })?;
+        let (module, leaf, output) = match (saved.module, saved.output) {
+            (Some(module), Some(output)) => (module, saved.leaf, output),
+            _ => self.run_stage(s, m, saved.input, batch)?,
+        };
+        // Taken before the lock: a missing gradient is an error, not a wait.
+        let out_grad = self.out_grads.remove(&(s, m));
+        let scale = 1.0 / self.settings.microbatches as f64;
+        let local_prev = s > 0 && self.local(s - 1);
+        let autodiff = autodiff_lock();
+        let grads = match &output {
+            StageOutput::Loss(loss) => loss_backward(loss, scale),
+            StageOutput::Hidden(h) => {
+                let g = out_grad.ok_or(EngineError::Missing {
+                    what: "output gradient",
+                    stage: s,
+                    microbatch: m,
+                })?;
+                stage_backward(h, g)?
+            }
+        };
+        let in_grad = leaf.as_ref().map(|leaf| input_grad(leaf, &grads));
+        let stage = self.stage_mut(s)?;
+        let flat = pad(flatten_grads(&module, &grads), stage.layout.padded);
+        // Autodiff values are dropped under the lock too: dropping touches the registry.
+        drop((grads, output, leaf, module));
+        drop(autodiff);
+        stage.grad_window = Some(match stage.grad_window.take() {
+            Some(acc) => acc + flat,
+            None => flat,
+        });
+        if let Some(g) = in_grad {
+            if local_prev {
+                self.out_grads.insert((s - 1, m), g);
+            } else {
+                self.to_send_backward.insert((s, m), g);
+            }
+        }
+        Ok(())
+    }
+
+    /// All-gather the stage's shards into its module.
+    fn unshard(&mut self, s: usize) -> Result<(), EngineError> {
+        let comm = self.comm;
+        let stage = self.stage_mut(s)?;
+        let full = comm.all_gather(Group::DataParallel, stage.owned.clone())?;
+        let values = full.narrow(0, 0, stage.layout.numel);
+        let _autodiff = autodiff_lock();
+        stage.module = load_flat(stage.module.clone(), &Tensor::from_inner(values))?;
+        stage.gathered = true;
+        self.note_memory();
+        Ok(())
+    }
+
+    /// Reduce the gradients accumulated since the last reduction: all-reduce at ZeRO-0,
+    /// reduce-scatter into the owned shard above; the mean over the data-parallel group.
+    fn reduce_grad(&mut self, s: usize) -> Result<(), EngineError> {
+        let comm = self.comm;
+        let stage = self.stage_mut(s)?;
+        let window = stage.grad_window.take().ok_or(EngineError::Missing {
+            what: "accumulated gradient",
+            stage: s,
+            microbatch: 0,
+        })?;
+        let reduced = if stage.layout.sharded {
+            comm.reduce_scatter(Group::DataParallel, window, ReduceOp::Mean)?
+        } else {
+            comm.all_reduce(Group::DataParallel, window, ReduceOp::Mean)?
+        };
+        stage.grad_owned = Some(match stage.grad_owned.take() {
+            Some(acc) => acc + reduced,
+            None => reduced,
+        });
+        Ok(())
+    }
+
+    /// Clip by the global gradient norm and update every owned shard.
+    fn optimizer_step(&mut self, lr: f64) -> Result<(), EngineError> {
+        let local_sq: f64 = self
+            .stages
+            .iter()
+            .map(|st| st.grad_owned.as_ref().map_or(0.0, sq_norm))
+            .sum();
+        // Every parameter value is owned once per pipeline replica at ZeRO-0 and once
+        // globally above: sum over the pipeline, and above ZeRO-0 over the replicas too.
+        let device = self.comm.device().clone();
+        let mut total = Tensor::<Inner<B>, 1>::from_floats([local_sq as f32], &device);
+        total = self
+            .comm
+            .all_reduce(Group::Pipeline, total, ReduceOp::Sum)?;
+        if self.settings.zero != ZeroLevel::Zero0 {
+            total = self
+                .comm
+                .all_reduce(Group::DataParallel, total, ReduceOp::Sum)?;
+        }
+        let total_sq: f64 = total.into_scalar().elem();
+        let coefficient = clip_coefficient(total_sq, self.settings.max_grad_norm);
+        for stage in &mut self.stages {
+            let grad = stage.grad_owned.take().ok_or(EngineError::Missing {
+                what: "reduced gradient",
+                stage: stage.index,
+                microbatch: 0,
+            })?;
+            let grad = clip_grad(grad, coefficient);
+            stage.owned = stage
+                .optimizer
+                .step(lr, stage.owned.clone(), grad)
+                .map_err(|e| EngineError::Optimizer(e.to_string()))?;
+            if !stage.layout.sharded {
+                let values = stage.owned.clone().narrow(0, 0, stage.layout.numel);
+                let _autodiff = autodiff_lock();
+                stage.module = load_flat(stage.module.clone(), &Tensor::from_inner(values))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The step's mean loss over every micro-batch of every replica, on last-stage ranks.
+    fn step_loss(&mut self) -> Result<Option<f64>, EngineError> {
+        if !self.local(self.settings.num_stages - 1) {
+            return Ok(None);
+        }
+        let mean = self.losses.iter().sum::<f64>() / self.losses.len().max(1) as f64;
+        let device = self.comm.device().clone();
+        let t = Tensor::<Inner<B>, 1>::from_floats([mean as f32], &device);
+        let t = self
+            .comm
+            .all_reduce(Group::DataParallel, t, ReduceOp::Mean)?;
+        Ok(Some(t.into_scalar().elem()))
+    }
+
+    /// Gather every stage's current weights into its module (after the last step, so the
+    /// trained stages can be recombined), and return the stages.
+    pub(crate) fn finish(mut self) -> Result<Finished<S>, EngineError> {
+        let indices: Vec<usize> = self.stages.iter().map(|s| s.index).collect();
+        for s in indices {
+            if self.stage_mut(s)?.layout.sharded {
+                self.unshard(s)?;
+            }
+        }
+        Ok(Finished {
+            stages: self
+                .stages
+                .into_iter()
+                .map(|s| (s.index, s.module))
+                .collect(),
+            events: self.events,
+            peak_param_bytes: self.peak_param_bytes,
+        })
+    }
+}

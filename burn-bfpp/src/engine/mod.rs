@@ -1,0 +1,264 @@
+//! The training engine: pipelined, sharded data-parallel training of any [`PipelineModel`] on
+//! ranks that are threads of one process ([`LocalComm`]).
+//!
+//! Every rank runs the same interpreter over its lowered action list (see
+//! [`crate::schedule`]): the schedule decides the order, the engine only carries it out. A
+//! rank holds its stages' modules, the shard of each stage's flat parameters it owns, and the
+//! AdamW state of that shard; gradients are reduced over the data-parallel group where the
+//! list says `REDUCE_GRAD`, and the update runs on the owned shards after the list ends.
+
+mod error;
+mod executor;
+mod shard;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::AutodiffBackend;
+
+pub use error::EngineError;
+pub use shard::ShardLayout;
+
+use executor::{ExecutorSettings, Finished, LocalStage, RankExecutor};
+
+use crate::comm::{run_ranks, CommConfig, Communicator, Group, LocalComm, RankError, RankGrid};
+use crate::model::{recombine, split_model, MicroBatch, ModelSplit, PipelineModel};
+use crate::optim::{AdamWSettings, LrSchedule};
+use crate::schedule::{
+    lower_data_parallel, lower_p2p, validate, Action, DataParallelLowering, PipelineSchedule,
+    Placement, ScheduleKind, ScheduleSpec, ZeroLevel,
+};
+
+/// One executed action, with wall-clock times in seconds since the run started.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedEvent {
+    /// Optimizer step (1-based).
+    pub step: usize,
+    /// The action.
+    pub action: Action,
+    /// Start, seconds since the run started.
+    pub start: f64,
+    /// End, seconds since the run started.
+    pub end: f64,
+}
+
+/// A fault to inject, for testing that failures stop every rank (`BFPP_FAULT_INJECT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// World rank that fails.
+    pub rank: usize,
+    /// Optimizer step (1-based) at whose start it fails.
+    pub step: usize,
+    /// Panic instead of returning an error.
+    pub panic: bool,
+}
+
+/// The parallel layout and the optimization settings of a run.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Pipeline ranks P.
+    pub pp: usize,
+    /// Stages per pipeline rank V.
+    pub loops: usize,
+    /// Data-parallel replicas D.
+    pub dp: usize,
+    /// Micro-batches per step and replica M.
+    pub microbatches: usize,
+    /// Breadth-first micro-batches K (hybrid schedule), breadth-first only.
+    pub bf_microbatches: Option<usize>,
+    /// Schedule family.
+    pub schedule: ScheduleKind,
+    /// Stage placement.
+    pub placement: Placement,
+    /// ZeRO level.
+    pub zero: ZeroLevel,
+    /// Rotating full-size weight and gradient buffers per rank (ZeRO-2/3).
+    pub buffers: usize,
+    /// Keep only each stage's input and recompute its forward inside the backward.
+    pub recompute: bool,
+    /// How layers are divided into stages.
+    pub split: ModelSplit,
+    /// AdamW hyper-parameters (the learning rate comes from `lr`).
+    pub adamw: AdamWSettings,
+    /// Learning rate per step.
+    pub lr: LrSchedule,
+    /// Global gradient-norm clipping threshold; 0 disables clipping.
+    pub max_grad_norm: f64,
+    /// Timeout of every blocking communication.
+    pub comm_timeout: Duration,
+    /// A fault to inject (tests).
+    pub fault: Option<Fault>,
+}
+
+impl EngineConfig {
+    /// The schedule this configuration asks for.
+    pub fn spec(&self) -> ScheduleSpec {
+        ScheduleSpec {
+            kind: self.schedule,
+            pp: self.pp,
+            loops: self.loops,
+            microbatches: self.microbatches,
+            bf_microbatches: self.bf_microbatches,
+            placement: self.placement,
+        }
+    }
+
+    /// Generate, lower and validate the per-rank programs.
+    pub fn program(&self) -> Result<PipelineSchedule, EngineError> {
+        if self.dp == 0 {
+            return Err(EngineError::Config(
+                "dp must be at least 1 (data-parallel replicas); try --dp 1".into(),
+            ));
+        }
+        let compute = self.spec().generate()?;
+        let lowering = DataParallelLowering {
+            zero: self.zero,
+            weight_buffers: self.buffers,
+            grad_buffers: self.buffers,
+        };
+        let lowered = lower_data_parallel(&lower_p2p(&compute)?, &lowering)?;
+        validate(&lowered)?;
+        Ok(lowered)
+    }
+}
+
+/// What a run produced.
+#[derive(Debug)]
+pub struct TrainOutcome<M> {
+    /// Mean loss of every optimizer step (over all micro-batches of all replicas).
+    pub losses: Vec<f64>,
+    /// The trained model (stages of data-parallel replica 0 put back together).
+    pub model: M,
+    /// Every rank's executed actions, by world rank.
+    pub timelines: Vec<Vec<TimedEvent>>,
+    /// Highest bytes of parameter values each world rank held.
+    pub peak_param_bytes: Vec<usize>,
+    /// Wall-clock time of the training steps.
+    pub elapsed: Duration,
+}
+
+/// What each rank thread returns: its per-step losses (on last-stage ranks) and its state.
+struct RankResult<S> {
+    losses: Vec<Option<f64>>,
+    finished: Finished<S>,
+}
+
+/// A rank's stages, waiting for its thread to take them.
+type RankSlot<B, S> = Mutex<Option<Vec<LocalStage<B, S>>>>;
+
+/// Train `model` for `steps` optimizer steps with ranks as threads of this process.
+///
+/// `batch(step, dp_index, microbatch)` returns a micro-batch; it must be a pure function of
+/// its arguments so every layout sees the same samples. `activation_shape` is the shape of
+/// the tensors passed between stages (`[micro-batch size, sequence, hidden]`).
+pub fn train_local<B, M, F>(
+    model: &M,
+    cfg: &EngineConfig,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+) -> Result<TrainOutcome<M>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    M::Stage: Send,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+{
+    let program = cfg.program()?;
+    let ranges = split_model(model, program.num_stages(), &cfg.split)?;
+    let stage_modules = model.stages(&ranges)?;
+    let grid = RankGrid::new(cfg.pp, cfg.dp)?;
+    let comms: Vec<LocalComm<B::InnerBackend>> =
+        LocalComm::create(grid, CommConfig::with_timeout(cfg.comm_timeout));
+    // Each rank takes its own stages out of this table inside its thread.
+    let per_rank: Vec<RankSlot<B, M::Stage>> = (0..grid.world_size())
+        .map(|rank| {
+            let (pp_index, dp_index) = (grid.pp_index(rank), grid.dp_index(rank));
+            let local = program
+                .stage_ranks
+                .iter()
+                .enumerate()
+                .filter(|&(_, &r)| r == pp_index)
+                .map(|(s, _)| {
+                    LocalStage::new(
+                        s,
+                        stage_modules[s].clone(),
+                        cfg.dp,
+                        dp_index,
+                        cfg.zero,
+                        &cfg.adamw,
+                    )
+                })
+                .collect();
+            Mutex::new(Some(local))
+        })
+        .collect();
+    let settings = ExecutorSettings {
+        zero: cfg.zero,
+        recompute: cfg.recompute,
+        microbatches: cfg.microbatches,
+        num_stages: program.num_stages(),
+        stage_ranks: program.stage_ranks.clone(),
+        activation_shape,
+        max_grad_norm: cfg.max_grad_norm,
+    };
+    let epoch = Instant::now();
+    let results = run_ranks(comms, |comm| -> Result<RankResult<M::Stage>, EngineError> {
+        let rank = comm.rank();
+        let stages = per_rank[rank]
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+            .unwrap_or_default();
+        let pp_index = comm.group_rank(Group::Pipeline);
+        let list = program.ranks[pp_index].clone();
+        let mut exec = RankExecutor::new(comm, settings.clone(), list, stages, epoch);
+        let mut losses = Vec::with_capacity(steps);
+        for step in 1..=steps {
+            if let Some(f) = cfg.fault.filter(|f| f.rank == rank && f.step == step) {
+                if f.panic {
+                    panic!("injected panic on rank {rank} at step {step}");
+                }
+                return Err(EngineError::InjectedFault { rank, step });
+            }
+            let lr = cfg.lr.lr(step);
+            let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb);
+            losses.push(exec.step(step, lr, &data)?);
+        }
+        Ok(RankResult {
+            losses,
+            finished: exec.finish()?,
+        })
+    })
+    .map_err(|e| match e {
+        RankError::Failed { error, .. } => error,
+        other => EngineError::RankFailure(other.to_string()),
+    })?;
+    let elapsed = epoch.elapsed();
+    let last_pp = program.stage_ranks[program.num_stages() - 1];
+    let losses = results[grid.rank_of(last_pp, 0)]
+        .losses
+        .iter()
+        .map(|l| l.unwrap_or(f64::NAN))
+        .collect();
+    let mut stages: Vec<(usize, M::Stage)> = Vec::new();
+    let mut timelines = Vec::new();
+    let mut peak_param_bytes = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        if grid.dp_index(rank) == 0 {
+            stages.extend(r.finished.stages);
+        }
+        timelines.push(r.finished.events);
+        peak_param_bytes.push(r.finished.peak_param_bytes);
+    }
+    stages.sort_by_key(|(s, _)| *s);
+    let stages: Vec<M::Stage> = stages.into_iter().map(|(_, s)| s).collect();
+    let model = recombine(model.clone(), &stages)?;
+    Ok(TrainOutcome {
+        losses,
+        model,
+        timelines,
+        peak_param_bytes,
+        elapsed,
+    })
+}
