@@ -180,7 +180,7 @@ fn check_family(kind: ScheduleKind, loops: &[usize], bf: Option<usize>) {
                 ] {
                     let mut cfg = config(kind, pp, v, dp, zero);
                     cfg.bf_microbatches = bf;
-                    let outcome = train_local(&base, &cfg, STEPS, activation, batch)
+                    let outcome = train_local(&base, &cfg, STEPS, activation, batch, |_| {})
                         .unwrap_or_else(|e| panic!("{kind} pp={pp} v={v} dp={dp} {zero:?}: {e}"));
                     runs += 1;
                     let loss_err = outcome
@@ -240,7 +240,115 @@ fn the_comparison_sees_a_wrong_step() {
     let base = model();
     let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 1, ZeroLevel::Zero3);
-    let outcome = train_local(&base, &cfg, STEPS - 1, activation, batch).expect("runs");
+    let outcome = train_local(&base, &cfg, STEPS - 1, activation, batch, |_| {}).expect("runs");
     let (_, want) = reference(1);
     assert!(max_param_err(&params(&outcome.model), &want) > 1e-3);
+}
+
+#[test]
+fn recomputation_matches_single_device() {
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    for dp in [1, 2] {
+        let (want_losses, want_params) = reference(dp);
+        for kind in [ScheduleKind::BreadthFirst, ScheduleKind::Interleaved] {
+            for zero in [ZeroLevel::Zero0, ZeroLevel::Zero3] {
+                let mut cfg = config(kind, 2, 2, dp, zero);
+                cfg.recompute = true;
+                let outcome =
+                    train_local(&base, &cfg, STEPS, activation, batch, |_| {}).expect("runs");
+                let param_err = max_param_err(&params(&outcome.model), &want_params);
+                let loss_err = outcome
+                    .losses
+                    .iter()
+                    .zip(&want_losses)
+                    .map(|(g, w)| ((g - w) / w).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    param_err <= 1e-5 && loss_err <= 1e-5,
+                    "{kind} dp={dp} {zero:?} recompute: params {param_err:.2e}, loss {loss_err:.2e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_step_is_reported_once_with_its_loss() {
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    let seen = std::sync::Mutex::new(Vec::new());
+    let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
+    let outcome = train_local(&base, &cfg, STEPS, activation, batch, |r| {
+        seen.lock().expect("not poisoned").push((r.step, r.loss));
+    })
+    .expect("runs");
+    let seen = seen.into_inner().expect("not poisoned");
+    let want: Vec<(usize, f64)> = (1..=STEPS).zip(outcome.losses.iter().copied()).collect();
+    assert_eq!(seen, want);
+}
+
+fn fault_run(panic: bool) -> (String, Duration) {
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
+    cfg.comm_timeout = Duration::from_secs(30);
+    cfg.fault = Some(burn_bfpp::engine::Fault {
+        rank: 3,
+        step: 2,
+        panic,
+    });
+    let start = std::time::Instant::now();
+    let err = train_local(&base, &cfg, STEPS, activation, batch, |_| {})
+        .expect_err("an injected fault must fail the run");
+    (err.to_string(), start.elapsed())
+}
+
+#[test]
+fn a_rank_returning_an_error_stops_every_rank_and_is_named() {
+    let (msg, took) = fault_run(false);
+    assert!(msg.contains("rank 3"), "{msg}");
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?}, the timeout is 30 s"
+    );
+}
+
+#[test]
+fn a_panicking_rank_stops_every_rank_and_is_named() {
+    let (msg, took) = fault_run(true);
+    assert!(msg.contains("rank 3") && msg.contains("panic"), "{msg}");
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?}, the timeout is 30 s"
+    );
+}
+
+#[test]
+fn bad_layouts_are_refused_before_any_work() {
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    let run = |cfg: EngineConfig| {
+        train_local(&base, &cfg, STEPS, activation, batch, |_| {})
+            .expect_err("must be refused")
+            .to_string()
+    };
+    // 4 × 4 = 16 stages for 8 layers.
+    let msg = run(config(
+        ScheduleKind::BreadthFirst,
+        4,
+        4,
+        1,
+        ZeroLevel::Zero0,
+    ));
+    assert!(
+        msg.contains("8 layers") && msg.contains("16 stages"),
+        "{msg}"
+    );
+    let mut cfg = config(ScheduleKind::Interleaved, 4, 2, 1, ZeroLevel::Zero0);
+    cfg.microbatches = 6;
+    let msg = run(cfg);
+    assert!(msg.contains("try 8"), "{msg}");
+    let msg = run(config(ScheduleKind::GPipe, 2, 1, 0, ZeroLevel::Zero0));
+    assert!(msg.contains("--dp 1"), "{msg}");
 }

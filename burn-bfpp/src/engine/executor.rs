@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 
@@ -15,8 +14,8 @@ use super::shard::ShardLayout;
 use super::{EngineError, TimedEvent};
 use crate::comm::{Communicator, Group, ReduceOp};
 use crate::model::{
-    autodiff_lock, flatten_grads, flatten_params, input_grad, input_leaf, load_flat, loss_backward,
-    stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
+    autodiff_lock, flatten_grads, flatten_params, fresh_leaves, input_grad, input_leaf, load_flat,
+    loss_backward, stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
 };
 use crate::optim::{clip_coefficient, clip_grad, sq_norm, AdamWSettings, ShardOptimizer};
 use crate::schedule::{Action, ActionKind, ZeroLevel};
@@ -91,18 +90,6 @@ fn pad<B: burn::tensor::backend::Backend>(flat: Tensor<B, 1>, len: usize) -> Ten
     }
     let zeros = Tensor::zeros([len - n], &flat.device());
     Tensor::cat(vec![flat, zeros], 0)
-}
-
-/// A copy of `module` whose float parameters are new autodiff leaves over the same values.
-fn fresh_leaves<B: AutodiffBackend, M: Module<B>>(module: &M) -> M {
-    struct Fresh;
-    impl<B: AutodiffBackend> ModuleMapper<B> for Fresh {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, value, mapper) = param.consume();
-            Param::from_mapped_value(id, value.detach().require_grad(), mapper)
-        }
-    }
-    module.clone().map(&mut Fresh)
 }
 
 /// A stage run: the module copy it used, its input leaf (if not the first stage), its output.

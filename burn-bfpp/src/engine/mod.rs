@@ -122,6 +122,20 @@ impl EngineConfig {
     }
 }
 
+/// Progress of a run after one optimizer step, reported by the rank that holds the last
+/// stage in data-parallel replica 0 (the rank that knows the loss).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Optimizer step just finished (1-based).
+    pub step: usize,
+    /// Its mean loss over the global batch.
+    pub loss: f64,
+    /// Its learning rate.
+    pub lr: f64,
+    /// Seconds since the run started.
+    pub elapsed: f64,
+}
+
 /// What a run produced.
 #[derive(Debug)]
 pub struct TrainOutcome<M> {
@@ -150,19 +164,22 @@ type RankSlot<B, S> = Mutex<Option<Vec<LocalStage<B, S>>>>;
 ///
 /// `batch(step, dp_index, microbatch)` returns a micro-batch; it must be a pure function of
 /// its arguments so every layout sees the same samples. `activation_shape` is the shape of
-/// the tensors passed between stages (`[micro-batch size, sequence, hidden]`).
-pub fn train_local<B, M, F>(
+/// the tensors passed between stages (`[micro-batch size, sequence, hidden]`). `on_step` is
+/// called after every step (progress bars, metrics files).
+pub fn train_local<B, M, F, P>(
     model: &M,
     cfg: &EngineConfig,
     steps: usize,
     activation_shape: [usize; 3],
     batch: F,
+    on_step: P,
 ) -> Result<TrainOutcome<M>, EngineError>
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
     M::Stage: Send,
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport) + Sync,
 {
     let program = cfg.program()?;
     let ranges = split_model(model, program.num_stages(), &cfg.split)?;
@@ -223,7 +240,16 @@ where
             }
             let lr = cfg.lr.lr(step);
             let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb);
-            losses.push(exec.step(step, lr, &data)?);
+            let loss = exec.step(step, lr, &data)?;
+            if let (Some(loss), 0) = (loss, comm.group_rank(Group::DataParallel)) {
+                on_step(&StepReport {
+                    step,
+                    loss,
+                    lr,
+                    elapsed: epoch.elapsed().as_secs_f64(),
+                });
+            }
+            losses.push(loss);
         }
         Ok(RankResult {
             losses,
