@@ -1,0 +1,124 @@
+//! Engine overhead: the pipelined engine with one rank (P = D = 1, breadth-first, ZeRO-0)
+//! against a plain Burn training loop of the same model, global batch and AdamW, in the same
+//! run. Both do three optimizer steps per iteration; the ratio of their medians is the
+//! engine's overhead (goal: ≤ 5 %).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use burn::backend::{Autodiff, Flex};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_bfpp::engine::{train_local, EngineConfig};
+use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
+use burn_bfpp::optim::{AdamWSettings, LrSchedule};
+use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
+
+type B = Autodiff<Flex>;
+
+const M: usize = 4;
+const MBS: usize = 4;
+const STEPS: usize = 3;
+
+fn gpt() -> GptConfig {
+    GptConfig {
+        vocab_size: 256,
+        seq_len: 64,
+        hidden: 64,
+        heads: 4,
+        layers: 4,
+        mlp_ratio: 4,
+        ..GptConfig::default()
+    }
+}
+
+fn batch(step: usize, microbatch: usize) -> MicroBatch<B> {
+    let seq = gpt().seq_len;
+    let ids = |salt: usize| {
+        let v: Vec<i64> = (0..MBS * seq)
+            .map(|i| ((step * 7919 + microbatch * 104_729 + i * 31 + salt) % 256) as i64)
+            .collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [MBS, seq]), &Default::default())
+    };
+    MicroBatch {
+        inputs: Inputs::Tokens(ids(0)),
+        targets: Targets::Tokens(ids(1)),
+    }
+}
+
+fn model() -> Gpt<B> {
+    let _guard = autodiff_lock();
+    gpt().init_seeded::<B>(1, &Default::default()).expect("valid config")
+}
+
+fn engine_run(model: &Gpt<B>) -> Vec<f64> {
+    let cfg = EngineConfig {
+        pp: 1,
+        loops: 1,
+        dp: 1,
+        microbatches: M,
+        bf_microbatches: None,
+        schedule: ScheduleKind::BreadthFirst,
+        placement: Placement::Looping,
+        zero: ZeroLevel::Zero0,
+        buffers: 2,
+        recompute: false,
+        split: ModelSplit::Even,
+        adamw: AdamWSettings::default(),
+        lr: LrSchedule::constant(1e-3),
+        max_grad_norm: 0.0,
+        comm_timeout: Duration::from_secs(60),
+        fault: None,
+    };
+    let shape = [MBS, gpt().seq_len, gpt().hidden];
+    train_local(model, &cfg, STEPS, shape, |s, _, m| batch(s, m), |_| {})
+        .expect("engine run")
+        .losses
+}
+
+fn plain_run(model: &Gpt<B>) -> Vec<f64> {
+    let _guard = autodiff_lock();
+    let mut model = model.clone();
+    let mut optim = AdamWSettings::default().to_burn().init::<B, Gpt<B>>();
+    let ce = CrossEntropyLossConfig::new().init(&Default::default());
+    let mut losses = Vec::new();
+    for step in 1..=STEPS {
+        let mut total: Option<Tensor<B, 1>> = None;
+        for m in 0..M {
+            let mb = batch(step, m);
+            let (Inputs::Tokens(x), Targets::Tokens(y)) = (mb.inputs, mb.targets) else {
+                unreachable!("token batches")
+            };
+            let logits = model.forward(x).expect("forward");
+            let [b, s, v] = logits.dims();
+            let loss = ce.forward(logits.reshape([b * s, v]), y.reshape([b * s]));
+            total = Some(total.map_or(loss.clone(), |t| t + loss));
+        }
+        let loss = total.expect("micro-batches") / M as f64;
+        losses.push(loss.clone().into_scalar() as f64);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(1e-3, model, grads);
+    }
+    losses
+}
+
+fn overhead(c: &mut Criterion) {
+    let model = model();
+    let mut group = c.benchmark_group("engine_overhead");
+    group.sampling_mode(SamplingMode::Flat);
+    group.bench_function("plain_burn_3_steps", |b| b.iter(|| black_box(plain_run(&model))));
+    group.bench_function("engine_p1_d1_3_steps", |b| b.iter(|| black_box(engine_run(&model))));
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(2))
+        .measurement_time(Duration::from_secs(20));
+    targets = overhead
+}
+criterion_main!(benches);
