@@ -12,7 +12,9 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::engine::{train_local, EngineConfig};
-use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
+use burn_bfpp::model::{
+    autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel, Targets,
+};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
 use std::time::Duration;
@@ -351,4 +353,38 @@ fn bad_layouts_are_refused_before_any_work() {
     assert!(msg.contains("try 8"), "{msg}");
     let msg = run(config(ScheduleKind::GPipe, 2, 1, 0, ZeroLevel::Zero0));
     assert!(msg.contains("--dp 1"), "{msg}");
+}
+
+#[test]
+fn zero3_holds_fewer_parameter_bytes_than_zero1() {
+    // One pipeline rank with 4 stages and two data-parallel replicas: ZeRO-1 keeps every stage
+    // gathered (plus its shards); ZeRO-3 keeps at most two gathered (two buffers) plus shards.
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    let peak = |zero| {
+        let cfg = config(ScheduleKind::BreadthFirst, 1, 4, 2, zero);
+        train_local(&base, &cfg, 1, activation, batch, |_| {})
+            .expect("runs")
+            .peak_param_bytes
+    };
+    let stages = base
+        .stages(&burn_bfpp::model::split_model(&base, 4, &ModelSplit::Even).expect("splits"))
+        .expect("stages");
+    let sizes: Vec<usize> = stages.iter().map(|s| s.num_params() * 4).collect();
+    let shards: usize = sizes.iter().map(|b| b.div_ceil(8) * 4).sum();
+    let full: usize = sizes.iter().sum();
+    let mut two_largest = sizes.clone();
+    two_largest.sort_unstable();
+    let bound3 = shards + two_largest.iter().rev().take(2).sum::<usize>();
+    for rank_peak in peak(ZeroLevel::Zero1) {
+        assert_eq!(rank_peak, full + shards);
+    }
+    for rank_peak in peak(ZeroLevel::Zero3) {
+        assert!(rank_peak <= bound3, "{rank_peak} > {bound3}");
+        assert!(
+            rank_peak < full + shards,
+            "{rank_peak} >= {}",
+            full + shards
+        );
+    }
 }

@@ -15,7 +15,8 @@ use super::{EngineError, TimedEvent};
 use crate::comm::{Communicator, Group, ReduceOp};
 use crate::model::{
     autodiff_lock, flatten_grads, flatten_params, fresh_leaves, input_grad, input_leaf, load_flat,
-    loss_backward, stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
+    load_flat_shaped, loss_backward, param_shapes, release_params, stage_backward, MicroBatch,
+    PipelineStage, StageInput, StageOutput,
 };
 use crate::optim::{clip_coefficient, clip_grad, sq_norm, AdamWSettings, ShardOptimizer};
 use crate::schedule::{Action, ActionKind, ZeroLevel};
@@ -37,6 +38,8 @@ pub(crate) struct LocalStage<B: AutodiffBackend, S> {
     /// Reduced gradients of the owned part, summed over this step's reductions.
     grad_owned: Option<Tensor<Inner<B>, 1>>,
     optimizer: ShardOptimizer<Inner<B>>,
+    /// Parameter shapes, to refill the module after its values were freed.
+    shapes: Vec<Vec<usize>>,
     gathered: bool,
 }
 
@@ -58,6 +61,7 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         let device = owned.device();
         LocalStage {
             index,
+            shapes: param_shapes(&module),
             module,
             layout,
             optimizer: ShardOptimizer::new(layout.owned_len(), adamw.clone(), &device),
@@ -313,7 +317,11 @@ where
             }
             ActionKind::Unshard => self.unshard(s),
             ActionKind::Reshard => {
-                self.stage_mut(s)?.gathered = false;
+                let stage = self.stage_mut(s)?;
+                let _autodiff = autodiff_lock();
+                // Free the gathered values for real: the next UNSHARD refills them.
+                stage.module = release_params(stage.module.clone());
+                stage.gathered = false;
                 Ok(())
             }
             ActionKind::ReduceGrad => self.reduce_grad(s),
@@ -474,7 +482,11 @@ where
         let full = comm.all_gather(Group::DataParallel, stage.owned.clone())?;
         let values = full.narrow(0, 0, stage.layout.numel);
         let _autodiff = autodiff_lock();
-        stage.module = load_flat(stage.module.clone(), &Tensor::from_inner(values))?;
+        stage.module = load_flat_shaped(
+            stage.module.clone(),
+            &Tensor::from_inner(values),
+            &stage.shapes,
+        )?;
         stage.gathered = true;
         self.note_memory();
         Ok(())
@@ -561,11 +573,14 @@ where
     /// trained stages can be recombined), and return the stages.
     pub(crate) fn finish(mut self) -> Result<Finished<S>, EngineError> {
         let indices: Vec<usize> = self.stages.iter().map(|s| s.index).collect();
+        // Gathering everything for the hand-back is not part of training's footprint.
+        let peak = self.peak_param_bytes;
         for s in indices {
             if self.stage_mut(s)?.layout.sharded {
                 self.unshard(s)?;
             }
         }
+        self.peak_param_bytes = peak;
         Ok(Finished {
             stages: self
                 .stages

@@ -41,7 +41,10 @@ pub use autodiff::{
 };
 pub use error::ModelError;
 pub use gpt::{Gpt, GptConfig, GptStage};
-pub use params::{flatten_params, load_flat, materialize, recombine};
+pub use params::{
+    flatten_params, load_flat, load_flat_shaped, materialize, param_shapes, recombine,
+    release_params,
+};
 pub use split::{balanced_split, split_model, stage_costs, ModelSplit};
 
 /// The inputs of a micro-batch, consumed by the first stage.

@@ -73,37 +73,90 @@ pub fn load_flat<B: Backend, M: Module<B>>(
     module: M,
     flat: &Tensor<B, 1>,
 ) -> Result<M, ModelError> {
-    let expected = module.num_params();
-    let [got] = flat.dims();
-    if got != expected {
-        return Err(ModelError::shape(
-            "flat parameter buffer",
-            format!("[{expected}] (the module's parameter count)"),
-            format!("[{got}]"),
-        ));
+    let shapes = param_shapes(&module);
+    load_flat_shaped(module, flat, &shapes)
+}
+
+/// The shape of every float parameter of `module`, in the layout order of [`flatten_params`].
+pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<Vec<usize>> {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.val().dims().to_vec());
+        }
     }
-    struct Load<B: Backend> {
-        flat: Tensor<B, 1>,
-        offset: usize,
-    }
-    impl<B: Backend> ModuleMapper<B> for Load<B> {
+    let mut shapes = Shapes(Vec::new());
+    module.visit(&mut shapes);
+    shapes.0
+}
+
+/// Frees the values of every float parameter of `module` (each becomes an empty tensor of
+/// the same rank, id and device): what a ZeRO-3 rank does with a stage it stops using.
+/// [`load_flat_shaped`] with the shapes recorded by [`param_shapes`] brings the values back.
+pub fn release_params<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Release;
+    impl<B: Backend> ModuleMapper<B> for Release {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, old, mapper) = param.consume();
-            let n = old.shape().num_elements();
+            let empty = Tensor::<B, D>::zeros([0; D], &old.device())
+                .set_require_grad(old.is_require_grad());
+            Param::from_mapped_value(id, empty, mapper)
+        }
+    }
+    module.map(&mut Release)
+}
+
+/// [`load_flat`] with the parameter shapes given rather than read from the module, so it also
+/// fills a module whose parameters were freed by [`release_params`].
+pub fn load_flat_shaped<B: Backend, M: Module<B>>(
+    module: M,
+    flat: &Tensor<B, 1>,
+    shapes: &[Vec<usize>],
+) -> Result<M, ModelError> {
+    let expected: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let [got] = flat.dims();
+    if got != expected || shapes.len() != param_shapes(&module).len() {
+        return Err(ModelError::shape(
+            "flat parameter buffer",
+            format!("[{expected}] over {} parameters", shapes.len()),
+            format!(
+                "[{got}] for a module of {} parameters",
+                param_shapes(&module).len()
+            ),
+        ));
+    }
+    struct Load<'a, B: Backend> {
+        flat: Tensor<B, 1>,
+        shapes: &'a [Vec<usize>],
+        index: usize,
+        offset: usize,
+    }
+    impl<B: Backend> ModuleMapper<B> for Load<'_, B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, old, mapper) = param.consume();
+            let shape: [usize; D] = self
+                .shapes
+                .get(self.index)
+                .and_then(|s| s.as_slice().try_into().ok())
+                .unwrap_or_else(|| old.dims());
+            let n: usize = shape.iter().product();
             let value = self
                 .flat
                 .clone()
                 .narrow(0, self.offset, n)
-                .reshape(old.dims())
+                .reshape(shape)
                 .to_device(&old.device())
                 .detach()
                 .set_require_grad(old.is_require_grad());
+            self.index += 1;
             self.offset += n;
             Param::from_mapped_value(id, value, mapper)
         }
     }
     Ok(module.map(&mut Load {
         flat: flat.clone(),
+        shapes,
+        index: 0,
         offset: 0,
     }))
 }
