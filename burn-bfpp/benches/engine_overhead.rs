@@ -50,7 +50,9 @@ fn batch(step: usize, microbatch: usize) -> MicroBatch<B> {
 
 fn model() -> Gpt<B> {
     let _guard = autodiff_lock();
-    gpt().init_seeded::<B>(1, &Default::default()).expect("valid config")
+    gpt()
+        .init_seeded::<B>(1, &Default::default())
+        .expect("valid config")
 }
 
 fn engine_run(model: &Gpt<B>) -> Vec<f64> {
@@ -108,8 +110,12 @@ fn overhead(c: &mut Criterion) {
     let model = model();
     let mut group = c.benchmark_group("engine_overhead");
     group.sampling_mode(SamplingMode::Flat);
-    group.bench_function("plain_burn_3_steps", |b| b.iter(|| black_box(plain_run(&model))));
-    group.bench_function("engine_p1_d1_3_steps", |b| b.iter(|| black_box(engine_run(&model))));
+    group.bench_function("plain_burn_3_steps", |b| {
+        b.iter(|| black_box(plain_run(&model)))
+    });
+    group.bench_function("engine_p1_d1_3_steps", |b| {
+        b.iter(|| black_box(engine_run(&model)))
+    });
     group.finish();
 }
 
