@@ -12,3 +12,4 @@ pub mod model;
 pub mod optim;
 pub mod schedule;
 pub mod sim;
+pub mod viz;
