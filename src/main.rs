@@ -1,5 +1,8 @@
-//! `bfpp`: generate, lower, check and print breadth-first (and other) pipeline schedules.
+//! `bfpp`: train with breadth-first (and other) pipeline schedules, and generate, lower,
+//! check and print those schedules.
 //!
+//! `bfpp train` is the main job: it trains a GPT with the engine and reports progress,
+//! metrics and the timeline (see `cli::train` and `cli::config` for its configuration);
 //! `bfpp schedule` runs the library's pass pipeline (generate → lower_p2p →
 //! lower_data_parallel → validate) and prints the result in one of four formats;
 //! `bfpp validate` checks a schedule CSV written by `bfpp` or by PyTorch's pipelining.
@@ -21,7 +24,8 @@ use cli::{write_output, CliError};
 #[command(
     name = "bfpp",
     version,
-    about = "Breadth-first pipeline parallelism for Burn: generate, lower and check pipeline schedules"
+    about = "Breadth-first pipeline parallelism for Burn: train, and generate, lower and check \
+             pipeline schedules"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -30,6 +34,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train a GPT with pipeline and data parallelism (ranks are threads); with no flags,
+    /// the built-in demonstration: pp 2, loops 2, dp 2, breadth-first, ZeRO-3.
+    #[cfg(feature = "flex")]
+    Train(Box<cli::args::TrainArgs>),
     /// Generate a schedule, add transfers and data-parallel collectives, validate it, print it.
     Schedule(ScheduleArgs),
     /// Check a schedule CSV (one line per rank, as written by `bfpp` or PyTorch pipelining).
@@ -136,6 +144,8 @@ fn main() -> ExitCode {
     // Usage errors exit through clap (code 2), --help and --version with 0.
     let cli = Cli::parse();
     let result = match cli.command {
+        #[cfg(feature = "flex")]
+        Command::Train(args) => cli::train::run(&args),
         Command::Schedule(args) => run_schedule(&args),
         Command::Validate(args) => run_validate(&args),
     };

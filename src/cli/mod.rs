@@ -1,4 +1,16 @@
-//! Helpers of the `bfpp` binary: its error type, output and the JSON summary.
+//! Helpers of the `bfpp` binary: its error type, output and the JSON summary, and the
+//! `train` subcommand.
+
+// The trainer runs on Burn's CPU backend, so it exists only with the `flex` feature (on by
+// default); the schedule tools need no backend.
+#[cfg(feature = "flex")]
+pub mod args;
+#[cfg(feature = "flex")]
+pub mod config;
+#[cfg(feature = "flex")]
+pub mod report;
+#[cfg(feature = "flex")]
+pub mod train;
 
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -38,6 +50,10 @@ pub enum CliError {
         /// The I/O failure.
         source: io::Error,
     },
+    /// `bfpp train` failed.
+    #[cfg(feature = "flex")]
+    #[error(transparent)]
+    Train(#[from] train::TrainError),
     /// Standard output could not be written.
     #[error("cannot write to standard output: {0}")]
     Stdout(io::Error),

@@ -1,0 +1,187 @@
+//! The flags of `bfpp train`, and how they override the configuration file.
+//!
+//! Every flag is optional: a flag that is not given leaves the value from `--config` (or the
+//! embedded default) alone, which is why they are `Option`s rather than clap defaults.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::config::BfppConfig;
+
+/// `bfpp train [FLAGS]`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TrainArgs {
+    /// A TOML configuration file (sections [layout], [model], [optimizer], [data], [run]);
+    /// flags override its values. `--print-config` shows the format.
+    #[arg(long, value_name = "FILE.toml")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration as TOML and exit without training.
+    #[arg(long)]
+    pub print_config: bool,
+
+    /// Pipeline ranks P.
+    #[arg(long, help_heading = "Layout")]
+    pub pp: Option<usize>,
+    /// Stages per pipeline rank V (the model is cut into pp × loops stages).
+    #[arg(long, help_heading = "Layout")]
+    pub loops: Option<usize>,
+    /// Data-parallel replicas D.
+    #[arg(long, help_heading = "Layout")]
+    pub dp: Option<usize>,
+    /// Micro-batches per step and replica M.
+    #[arg(long, help_heading = "Layout")]
+    pub microbatches: Option<usize>,
+    /// Breadth-first micro-batches per sweep K (must divide M).
+    #[arg(long, help_heading = "Layout")]
+    pub bf_microbatches: Option<usize>,
+    /// Samples per micro-batch.
+    #[arg(long, help_heading = "Layout", conflicts_with = "global_batch")]
+    pub micro_batch_size: Option<usize>,
+    /// Samples per step; must be divisible by dp × microbatches (sets the micro-batch size).
+    #[arg(long, help_heading = "Layout")]
+    pub global_batch: Option<usize>,
+    /// Schedule: gpipe, 1f1b, interleaved or breadth-first.
+    #[arg(long, help_heading = "Layout")]
+    pub schedule: Option<String>,
+    /// Stage placement: looping or v-shape.
+    #[arg(long, help_heading = "Layout")]
+    pub placement: Option<String>,
+    /// ZeRO level: 0, 1, 2 or 3.
+    #[arg(long, help_heading = "Layout")]
+    pub zero: Option<u8>,
+    /// Rotating full-size weight/gradient buffers per rank.
+    #[arg(long, help_heading = "Layout")]
+    pub buffers: Option<usize>,
+    /// Recompute each stage's forward in its backward (activation checkpointing).
+    #[arg(long, help_heading = "Layout")]
+    pub recompute: bool,
+    /// Layers per stage: even, balanced, or counts such as 3,2,2,3.
+    #[arg(long, help_heading = "Layout")]
+    pub split: Option<String>,
+
+    /// Transformer blocks (the model has blocks + 2 layers).
+    #[arg(long, help_heading = "Model")]
+    pub layers: Option<usize>,
+    /// Width of the residual stream.
+    #[arg(long, help_heading = "Model")]
+    pub hidden: Option<usize>,
+    /// Attention heads (must divide --hidden).
+    #[arg(long, help_heading = "Model")]
+    pub heads: Option<usize>,
+    /// MLP width as a multiple of --hidden.
+    #[arg(long, help_heading = "Model")]
+    pub mlp_ratio: Option<usize>,
+
+    /// Peak learning rate.
+    #[arg(long, help_heading = "Optimizer")]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine decay.
+    #[arg(long, help_heading = "Optimizer")]
+    pub min_lr: Option<f64>,
+    /// Steps of linear warm-up.
+    #[arg(long, help_heading = "Optimizer")]
+    pub warmup_steps: Option<usize>,
+    /// AdamW decoupled weight decay.
+    #[arg(long, help_heading = "Optimizer")]
+    pub weight_decay: Option<f32>,
+    /// Global gradient-norm clipping threshold (0: off).
+    #[arg(long, help_heading = "Optimizer")]
+    pub max_grad_norm: Option<f64>,
+
+    /// A text file or a folder of text files (byte-level tokens); default: the built-in
+    /// synthetic Markov corpus, whose entropy rate bounds the loss.
+    #[arg(long, value_name = "PATH", help_heading = "Data")]
+    pub data: Option<PathBuf>,
+    /// Tokens per sample (sets both the model's positions and the data's sample length).
+    #[arg(long, help_heading = "Data")]
+    pub seq_len: Option<usize>,
+
+    /// Optimizer steps.
+    #[arg(long, help_heading = "Run")]
+    pub steps: Option<usize>,
+    /// Seed of the model initialisation and the sample order.
+    #[arg(long, help_heading = "Run")]
+    pub seed: Option<u64>,
+    /// Seconds a rank waits on a peer before the run fails.
+    #[arg(long, value_name = "SECS", help_heading = "Run")]
+    pub comm_timeout: Option<f64>,
+    /// Folder for metrics.jsonl, trace.json and timeline.svg.
+    #[arg(long, value_name = "DIR", help_heading = "Run")]
+    pub out_dir: Option<PathBuf>,
+    /// Print one JSON object at the end instead of the progress bar and summary.
+    #[arg(long, help_heading = "Output")]
+    pub json: bool,
+    /// No progress bar and no summary (errors still go to standard error).
+    #[arg(long, short, help_heading = "Output")]
+    pub quiet: bool,
+}
+
+impl TrainArgs {
+    /// Overwrites in `cfg` every value given on the command line.
+    pub fn apply(&self, cfg: &mut BfppConfig) {
+        fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
+            if let Some(v) = value {
+                *slot = v.clone();
+            }
+        }
+        let l = &mut cfg.layout;
+        set(&mut l.pp, &self.pp);
+        set(&mut l.loops, &self.loops);
+        set(&mut l.dp, &self.dp);
+        set(&mut l.microbatches, &self.microbatches);
+        if self.bf_microbatches.is_some() {
+            l.bf_microbatches = self.bf_microbatches;
+        }
+        if self.micro_batch_size.is_some() {
+            // A flag beats the file: a global batch from the file would contradict it.
+            l.micro_batch_size = self.micro_batch_size;
+            l.global_batch = None;
+        }
+        if self.global_batch.is_some() {
+            l.global_batch = self.global_batch;
+            l.micro_batch_size = None;
+        }
+        set(&mut l.schedule, &self.schedule);
+        set(&mut l.placement, &self.placement);
+        set(&mut l.zero, &self.zero);
+        set(&mut l.buffers, &self.buffers);
+        l.recompute |= self.recompute;
+        set(&mut l.split, &self.split);
+
+        let m = &mut cfg.model;
+        set(&mut m.layers, &self.layers);
+        set(&mut m.hidden, &self.hidden);
+        set(&mut m.heads, &self.heads);
+        set(&mut m.mlp_ratio, &self.mlp_ratio);
+        // One flag for both so the two can never disagree.
+        set(&mut m.seq_len, &self.seq_len);
+        set(&mut cfg.data.seq_len, &self.seq_len);
+
+        let o = &mut cfg.optimizer;
+        set(&mut o.lr, &self.lr);
+        set(&mut o.min_lr, &self.min_lr);
+        set(&mut o.warmup_steps, &self.warmup_steps);
+        set(&mut o.adamw.weight_decay, &self.weight_decay);
+        set(&mut o.max_grad_norm, &self.max_grad_norm);
+
+        if self.data.is_some() {
+            cfg.data.path = self.data.clone();
+        }
+        let r = &mut cfg.run;
+        set(&mut r.steps, &self.steps);
+        set(&mut r.seed, &self.seed);
+        set(&mut r.comm_timeout_s, &self.comm_timeout);
+        set(&mut r.out_dir, &self.out_dir);
+    }
+
+    /// The configuration of this invocation: default, then `--config`, then the flags.
+    pub fn resolve(&self) -> Result<BfppConfig, super::train::TrainError> {
+        let mut cfg = match &self.config {
+            Some(path) => BfppConfig::from_file(path)?,
+            None => BfppConfig::default(),
+        };
+        self.apply(&mut cfg);
+        Ok(cfg)
+    }
+}

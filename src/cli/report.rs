@@ -1,0 +1,363 @@
+//! What `bfpp train` tells the user: the header, the progress bar and metrics file, the
+//! timeline files, and the final summary (text or `--json`).
+
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::Backend as BackendTrait;
+use burn::tensor::Tensor;
+use burn_bfpp::data::BatchLayout;
+use burn_bfpp::engine::{EngineConfig, StepReport, TimedEvent, TrainOutcome};
+use burn_bfpp::viz;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+
+use super::config::BfppConfig;
+use super::train::TrainError;
+
+/// The metrics file in the output folder: one JSON object per optimizer step.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// The Chrome trace in the output folder.
+pub const TRACE_FILE: &str = "trace.json";
+/// The timeline picture in the output folder.
+pub const SVG_FILE: &str = "timeline.svg";
+
+/// Steps averaged for the "mean of the last steps" figure of the summary: one step's loss is
+/// a mean over one global batch and still noisy.
+const TAIL_STEPS: usize = 10;
+
+/// What the run is about to do, printed before the first step.
+pub struct Header<'a> {
+    /// The effective configuration.
+    pub cfg: &'a BfppConfig,
+    /// The batch layout.
+    pub plan_layout: &'a BatchLayout,
+    /// The engine configuration.
+    pub engine: &'a EngineConfig,
+    /// The corpus description.
+    pub corpus: String,
+    /// Parameters of the model.
+    pub params: usize,
+}
+
+impl Header<'_> {
+    /// Prints the header on standard output.
+    pub fn print(&self) {
+        let (m, l, e) = (&self.cfg.model, self.plan_layout, self.engine);
+        let stages = e.pp * e.loops;
+        let k = match e.bf_microbatches {
+            Some(k) => format!(" (K = {k})"),
+            None => String::new(),
+        };
+        println!(
+            "model: GPT, {} layers ({} blocks, hidden {}, {} heads), {:.3}M parameters",
+            m.num_layers(),
+            m.layers,
+            m.hidden,
+            m.heads,
+            self.params as f64 / 1e6
+        );
+        println!(
+            "layout: {} ranks = pp {} × dp {}; {stages} stages (loops {}); {}{k}, ZeRO-{}{}",
+            e.pp * e.dp,
+            e.pp,
+            e.dp,
+            e.loops,
+            e.schedule,
+            e.zero as u8,
+            if e.recompute { ", recompute" } else { "" }
+        );
+        println!(
+            "batch: {} samples × {} tokens per step = dp {} × {} micro-batches × {} samples; \
+             {} steps",
+            l.global_batch(),
+            self.cfg.data.seq_len,
+            l.dp,
+            l.microbatches,
+            l.micro_batch_size,
+            self.cfg.run.steps
+        );
+        println!("data: {}", self.corpus);
+    }
+}
+
+/// The progress bar and the metrics file, both fed from the engine's `on_step`.
+///
+/// `on_step` runs on a rank thread, so everything here is shared through `&self`: the bar is
+/// `Sync` and the file sits behind a mutex. An I/O error is kept and reported after the run
+/// rather than aborting training from inside a rank.
+pub struct Progress {
+    bar: ProgressBar,
+    show: bool,
+    tokens_per_step: usize,
+    path: PathBuf,
+    state: Mutex<MetricsState>,
+}
+
+struct MetricsState {
+    file: BufWriter<File>,
+    previous_elapsed: f64,
+    error: Option<std::io::Error>,
+}
+
+impl Progress {
+    /// Creates the metrics file and the bar; the bar is hidden unless `show` and standard
+    /// output is a terminal (CI logs get the summary only).
+    pub fn new(
+        steps: usize,
+        tokens_per_step: usize,
+        path: &Path,
+        show: bool,
+    ) -> Result<Self, TrainError> {
+        let file = File::create(path).map_err(|source| TrainError::Write {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let bar = if show && std::io::stdout().is_terminal() {
+            let bar =
+                ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
+            let style = ProgressStyle::with_template(
+                "step {pos}/{len} [{bar:30}] {msg} | {elapsed} elapsed, ETA {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+            bar.set_style(style);
+            bar.set_message("loss -");
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
+        Ok(Self {
+            bar,
+            show,
+            tokens_per_step,
+            path: path.to_path_buf(),
+            state: Mutex::new(MetricsState {
+                file: BufWriter::new(file),
+                previous_elapsed: 0.0,
+                error: None,
+            }),
+        })
+    }
+
+    /// Records step `r`: one metrics line, the bar, and a note when the data wrapped around.
+    pub fn step(&self, r: &StepReport, epochs_started: Range<u64>) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let step_time = (r.elapsed - state.previous_elapsed).max(f64::MIN_POSITIVE);
+        state.previous_elapsed = r.elapsed;
+        let tokens_per_s = self.tokens_per_step as f64 / step_time;
+        // Written by hand to keep the keys in this order (serde_json's map sorts them);
+        // `tokens` counts the tokens trained so far, this step included.
+        let line = format!(
+            "{{\"step\":{},\"loss\":{},\"lr\":{},\"tokens\":{},\"tokens_per_s\":{},\"elapsed_s\":{}}}",
+            r.step,
+            json!(r.loss),
+            json!(r.lr),
+            r.step * self.tokens_per_step,
+            json!(tokens_per_s),
+            json!(r.elapsed)
+        );
+        if state.error.is_none() {
+            // Flushed every step so a crashed or killed run still leaves its metrics.
+            let written = writeln!(state.file, "{line}").and_then(|()| state.file.flush());
+            if let Err(e) = written {
+                state.error = Some(e);
+            }
+        }
+        drop(state);
+        if self.show {
+            for epoch in epochs_started {
+                self.bar
+                    .println(format!("dataset exhausted: starting epoch {}", epoch + 1));
+            }
+        }
+        self.bar.set_position(r.step as u64);
+        self.bar
+            .set_message(format!("loss {:.4} | {:.0} tok/s", r.loss, tokens_per_s));
+    }
+
+    /// Removes the bar (the summary follows).
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+
+    /// The metrics file.
+    pub fn metrics_path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The first error writing the metrics file, if any.
+    pub fn take_error(&self) -> Result<(), TrainError> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match state.error.take() {
+            Some(source) => Err(TrainError::Write {
+                path: self.path.clone(),
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The timeline files of a run.
+#[derive(Debug, Clone)]
+pub struct TimelineFiles {
+    /// The timeline picture.
+    pub svg: PathBuf,
+    /// The Chrome trace (`chrome://tracing`, Perfetto).
+    pub trace: PathBuf,
+}
+
+/// Renders the run's timelines with [`burn_bfpp::viz`] into `out_dir`: the SVG picture (one
+/// lane per rank) and the Chrome trace.
+pub fn write_timeline(
+    out_dir: &Path,
+    timelines: &[Vec<TimedEvent>],
+) -> Result<TimelineFiles, TrainError> {
+    let trace = viz::Trace::from_engine(timelines);
+    let files = TimelineFiles {
+        svg: out_dir.join(SVG_FILE),
+        trace: out_dir.join(TRACE_FILE),
+    };
+    for (path, text) in [
+        (&files.svg, viz::timeline_svg(&trace)),
+        (&files.trace, viz::chrome_trace_json(&trace)),
+    ] {
+        std::fs::write(path, text).map_err(|source| TrainError::Write {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(files)
+}
+
+/// Visits every float parameter: count and sum of squares (f64).
+#[derive(Default)]
+struct ParamStats {
+    count: usize,
+    sum_sq: f64,
+}
+
+impl<B: BackendTrait> ModuleVisitor<B> for ParamStats {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let data = param.val().into_data().convert::<f32>();
+        // `convert` makes the elements f32, so this cannot fail; skip rather than panic.
+        if let Ok(values) = data.to_vec::<f32>() {
+            self.count += values.len();
+            self.sum_sq += values
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum::<f64>();
+        }
+    }
+}
+
+fn param_stats<B: BackendTrait, M: Module<B>>(model: &M) -> ParamStats {
+    let mut stats = ParamStats::default();
+    model.visit(&mut stats);
+    stats
+}
+
+/// Number of parameters of `model`.
+pub fn param_count<B: BackendTrait, M: Module<B>>(model: &M) -> usize {
+    param_stats(model).count
+}
+
+/// The final report of a run.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    losses: Vec<f64>,
+    param_l2_norm: f64,
+    tokens_per_s: f64,
+    step_time_s: f64,
+    elapsed_s: f64,
+    peak_param_bytes: Vec<usize>,
+    entropy_rate: Option<f64>,
+    files: TimelineFiles,
+    metrics: PathBuf,
+}
+
+impl Summary {
+    /// Gathers the figures of `outcome`.
+    pub fn new<B: BackendTrait, M: Module<B>>(
+        outcome: &TrainOutcome<M>,
+        tokens_per_step: usize,
+        entropy_rate: Option<f64>,
+        files: TimelineFiles,
+        metrics: &Path,
+    ) -> Self {
+        let steps = outcome.losses.len();
+        let elapsed_s = outcome.elapsed.as_secs_f64();
+        Self {
+            losses: outcome.losses.clone(),
+            param_l2_norm: param_stats(&outcome.model).sum_sq.sqrt(),
+            tokens_per_s: (steps * tokens_per_step) as f64 / elapsed_s.max(f64::MIN_POSITIVE),
+            step_time_s: elapsed_s / steps.max(1) as f64,
+            elapsed_s,
+            peak_param_bytes: outcome.peak_param_bytes.clone(),
+            entropy_rate,
+            files,
+            metrics: metrics.to_path_buf(),
+        }
+    }
+
+    /// The `--json` object: exactly `losses`, `param_l2_norm`, `tokens_per_s`,
+    /// `peak_param_bytes`, `timeline_svg`, `trace_json`.
+    pub fn json(&self) -> String {
+        let doc = json!({
+            "losses": self.losses,
+            "param_l2_norm": self.param_l2_norm,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_param_bytes": self.peak_param_bytes,
+            "timeline_svg": self.files.svg.display().to_string(),
+            "trace_json": self.files.trace.display().to_string(),
+        });
+        format!("{doc}\n")
+    }
+
+    /// The human summary.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        let steps = self.losses.len();
+        let last = self.losses.last().copied().unwrap_or(f64::NAN);
+        let tail = &self.losses[steps.saturating_sub(TAIL_STEPS)..];
+        let tail_mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
+        out += &format!(
+            "final loss   {last:.4} nats/token at step {steps} (mean of the last {}: {tail_mean:.4})\n",
+            tail.len()
+        );
+        if let Some(h) = self.entropy_rate {
+            out += &format!(
+                "bound        {h:.4} nats/token (the corpus's entropy rate); final loss is {:.2} % \
+                 above it\n",
+                100.0 * (last - h) / h
+            );
+        }
+        out += &format!(
+            "throughput   {:.0} tokens/s, {:.3} s/step ({steps} steps in {:.1} s)\n",
+            self.tokens_per_s, self.step_time_s, self.elapsed_s
+        );
+        let peaks: Vec<String> = self
+            .peak_param_bytes
+            .iter()
+            .enumerate()
+            .map(|(rank, &b)| format!("rank {rank} {:.1} KiB", b as f64 / 1024.0))
+            .collect();
+        out += &format!("peak params  {}\n", peaks.join(", "));
+        out += &format!(
+            "param norm   {:.4} (L2 over all parameters)\n",
+            self.param_l2_norm
+        );
+        out += &format!(
+            "wrote        {}, {}, {}\n",
+            self.metrics.display(),
+            self.files.svg.display(),
+            self.files.trace.display()
+        );
+        out
+    }
+}

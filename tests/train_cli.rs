@@ -1,0 +1,336 @@
+//! End-to-end tests of `bfpp train`: the `--json` report, step-by-step equality of layouts with
+//! the same global batch, injected faults, bad configurations and the `--config` file.
+//!
+//! Every run uses a tiny model (the `TINY` flags) so that each test takes seconds.
+#![cfg(feature = "flex")]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A 4-block (6-layer) GPT of width 16 on 8-token samples.
+const TINY: &[&str] = &[
+    "--layers",
+    "4",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--mlp-ratio",
+    "2",
+    "--seq-len",
+    "8",
+    "--micro-batch-size",
+    "2",
+];
+
+/// A folder under the temporary directory, unique to this test process and `name`.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bfpp-train-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+    dir
+}
+
+/// Runs `bfpp train` with the tiny model, `args`, an output folder of its own and `env`.
+/// A short communication timeout, so that a rank waiting on a failed peer gives up quickly,
+/// unless `args` sets one.
+fn train(name: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let out_dir = temp_dir(name);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+    cmd.arg("train")
+        .args(TINY)
+        .args(args)
+        .args(if args.contains(&"--comm-timeout") {
+            &[][..]
+        } else {
+            &["--comm-timeout", "10"][..]
+        })
+        .arg("--out-dir")
+        .arg(&out_dir)
+        .env_remove("BFPP_FAULT_INJECT");
+    for (key, value) in env {
+        cmd.env(key, value);
+    }
+    cmd.output().expect("the bfpp binary runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The `--json` object of a successful run.
+fn json_of(out: &Output) -> Value {
+    assert!(out.status.success(), "bfpp train failed: {}", stderr(out));
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+fn losses(doc: &Value) -> Vec<f64> {
+    doc["losses"]
+        .as_array()
+        .expect("losses is an array")
+        .iter()
+        .map(|l| l.as_f64().expect("a loss is a number"))
+        .collect()
+}
+
+/// Asserts a quick, clean failure whose standard error names every `needle`.
+fn assert_fails(name: &str, args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
+    let start = Instant::now();
+    let out = train(name, args, env);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{args:?} should fail; stderr: {err}");
+    assert!(err.contains("error:"), "{args:?}: no `error:` line: {err}");
+    for needle in needles {
+        assert!(err.contains(needle), "{args:?}: `{needle}` not in: {err}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{args:?} took {:?} to fail",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn json_report_has_exactly_the_documented_keys() {
+    let out = train(
+        "json",
+        &["--steps", "2", "--microbatches", "2", "--json"],
+        &[],
+    );
+    let doc = json_of(&out);
+    let mut keys: Vec<&str> = doc
+        .as_object()
+        .expect("an object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "losses",
+            "param_l2_norm",
+            "peak_param_bytes",
+            "timeline_svg",
+            "tokens_per_s",
+            "trace_json"
+        ]
+    );
+    let losses = losses(&doc);
+    assert_eq!(losses.len(), 2);
+    assert!(
+        losses.iter().all(|l| l.is_finite() && *l > 0.0),
+        "{losses:?}"
+    );
+    assert!(doc["param_l2_norm"].as_f64().expect("a number") > 0.0);
+    assert!(doc["tokens_per_s"].as_f64().expect("a number") > 0.0);
+    // The default layout has pp 2 × dp 2 = 4 ranks.
+    let peaks = doc["peak_param_bytes"].as_array().expect("an array");
+    assert_eq!(peaks.len(), 4);
+    assert!(peaks.iter().all(|b| b.as_u64().is_some_and(|b| b > 0)));
+    let svg = std::fs::read_to_string(doc["timeline_svg"].as_str().expect("a path"))
+        .expect("timeline written");
+    assert!(svg.contains("<svg"), "not an SVG: {svg:.100}");
+    let trace = doc["trace_json"].as_str().expect("a path");
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(trace).expect("trace written"))
+            .expect("the trace is JSON");
+    assert!(!trace["traceEvents"].as_array().expect("events").is_empty());
+    let metrics_dir = PathBuf::from(doc["trace_json"].as_str().expect("a path"));
+    let metrics = std::fs::read_to_string(metrics_dir.with_file_name("metrics.jsonl"))
+        .expect("metrics written");
+    let lines: Vec<Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for key in ["step", "loss", "lr", "tokens", "tokens_per_s", "elapsed_s"] {
+        assert!(
+            lines[1].get(key).is_some(),
+            "metrics line lacks {key}: {}",
+            lines[1]
+        );
+    }
+}
+
+#[test]
+fn layouts_with_the_same_global_batch_agree_step_by_step() {
+    // Global batch 2 × 2 × 2 = 1 × 4 × 2 = 8 samples, the same seed: the same samples in
+    // the same order, so the same losses whatever the pipeline and data-parallel split.
+    let common = ["--steps", "3", "--seed", "5", "--json"];
+    let pipelined = train(
+        "layout-a",
+        &[
+            &common[..],
+            &[
+                "--pp",
+                "2",
+                "--loops",
+                "2",
+                "--dp",
+                "2",
+                "--microbatches",
+                "2",
+            ],
+        ]
+        .concat(),
+        &[],
+    );
+    let plain = train(
+        "layout-b",
+        &[
+            &common[..],
+            &[
+                "--pp",
+                "1",
+                "--loops",
+                "1",
+                "--dp",
+                "1",
+                "--microbatches",
+                "4",
+                "--schedule",
+                "gpipe",
+                "--zero",
+                "0",
+            ],
+        ]
+        .concat(),
+        &[],
+    );
+    let (a, b) = (losses(&json_of(&pipelined)), losses(&json_of(&plain)));
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(((x - y) / y).abs() <= 1e-5, "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn an_injected_error_names_the_rank() {
+    assert_fails(
+        "fault-error",
+        &["--steps", "3", "--comm-timeout", "5"],
+        &[("BFPP_FAULT_INJECT", "rank=1,step=1")],
+        &["rank 1"],
+    );
+}
+
+#[test]
+fn an_injected_panic_names_the_rank() {
+    assert_fails(
+        "fault-panic",
+        &["--steps", "3", "--comm-timeout", "5"],
+        &[("BFPP_FAULT_INJECT", "rank=1,step=2,kind=panic")],
+        &["rank 1"],
+    );
+}
+
+#[test]
+fn a_malformed_fault_is_rejected() {
+    assert_fails(
+        "fault-bad",
+        &["--steps", "1"],
+        &[("BFPP_FAULT_INJECT", "rank=1")],
+        &["BFPP_FAULT_INJECT", "rank=R,step=S"],
+    );
+    assert_fails(
+        "fault-rank",
+        &["--steps", "1"],
+        &[("BFPP_FAULT_INJECT", "rank=9,step=1")],
+        &["rank 9 does not exist"],
+    );
+}
+
+#[test]
+fn more_stages_than_layers_names_the_fix() {
+    // 6 layers, 4 × 2 = 8 stages.
+    assert_fails(
+        "too-deep",
+        &["--pp", "4", "--loops", "2"],
+        &[],
+        &["6 layers", "8 stages", "--layers 6"],
+    );
+}
+
+#[test]
+fn interleaved_needs_a_multiple_of_pp() {
+    assert_fails(
+        "interleaved",
+        &["--schedule", "interleaved", "--microbatches", "3"],
+        &[],
+        &["multiple of pp=2", "try 4"],
+    );
+}
+
+#[test]
+fn unknown_schedule_lists_the_choices() {
+    assert_fails(
+        "schedule",
+        &["--schedule", "zigzag"],
+        &[],
+        &["zigzag", "gpipe", "1f1b", "interleaved", "breadth-first"],
+    );
+}
+
+#[test]
+fn missing_data_path_names_the_fix() {
+    assert_fails(
+        "no-data",
+        &["--data", "/nonexistent/bfpp/corpus.txt"],
+        &[],
+        &["does not exist", "--data"],
+    );
+}
+
+#[test]
+fn an_indivisible_global_batch_names_the_fix() {
+    let out = Command::new(env!("CARGO_BIN_EXE_bfpp"))
+        .args([
+            "train",
+            "--global-batch",
+            "10",
+            "--dp",
+            "2",
+            "--microbatches",
+            "4",
+        ])
+        .output()
+        .expect("runs");
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert!(err.contains("not divisible by dp × microbatches"), "{err}");
+    assert!(err.contains("--global-batch 8"), "{err}");
+}
+
+#[test]
+fn a_config_file_is_read_and_flags_override_it() {
+    let dir = temp_dir("config");
+    let file = dir.join("run.toml");
+    std::fs::write(
+        &file,
+        "[layout]\npp = 1\nloops = 1\ndp = 1\nmicrobatches = 2\nschedule = \"1f1b\"\nzero = 0\n\n\
+         [run]\nsteps = 5\n",
+    )
+    .expect("writable");
+    let file = file.to_str().expect("a UTF-8 path");
+    // The file asks for 5 steps; the flag wins.
+    let doc = json_of(&train(
+        "config",
+        &["--config", file, "--steps", "2", "--json"],
+        &[],
+    ));
+    assert_eq!(losses(&doc).len(), 2);
+    // The file's layout took effect: one rank.
+    assert_eq!(doc["peak_param_bytes"].as_array().map(Vec::len), Some(1));
+
+    std::fs::write(dir.join("typo.toml"), "[run]\nstesp = 5\n").expect("writable");
+    let typo = dir.join("typo.toml");
+    assert_fails(
+        "config-typo",
+        &["--config", typo.to_str().expect("UTF-8")],
+        &[],
+        &["stesp", "--print-config"],
+    );
+}
