@@ -56,7 +56,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let batcher = Batcher::new(&corpus, BatchConfig::new(gpt.seq_len, global_batch, 0))?;
     let batch = |step: usize, dp_index, mb| {
         batcher
-            .micro_batch::<B>((step - 1) as u64, &layout, dp_index, mb, &Default::default())
+            .micro_batch::<B>(
+                (step - 1) as u64,
+                &layout,
+                dp_index,
+                mb,
+                &Default::default(),
+            )
             .expect("the layout was checked when the batcher was built")
     };
 

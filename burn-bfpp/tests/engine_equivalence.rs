@@ -126,6 +126,15 @@ fn params<M: Module<B>>(module: &M) -> Vec<Vec<f32>> {
     c.0
 }
 
+/// Largest relative difference between per-step losses.
+fn max_loss_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "one loss per step");
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| ((g - w) / w).abs())
+        .fold(0.0, f64::max)
+}
+
 /// Largest over parameters of ‖got − want‖∞ / ‖want‖∞.
 fn max_param_err(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
     assert_eq!(got.len(), want.len());
@@ -185,12 +194,7 @@ fn check_family(kind: ScheduleKind, loops: &[usize], bf: Option<usize>) {
                     let outcome = train_local(&base, &cfg, STEPS, activation, batch, |_| {})
                         .unwrap_or_else(|e| panic!("{kind} pp={pp} v={v} dp={dp} {zero:?}: {e}"));
                     runs += 1;
-                    let loss_err = outcome
-                        .losses
-                        .iter()
-                        .zip(&want_losses)
-                        .map(|(g, w)| ((g - w) / w).abs())
-                        .fold(0.0, f64::max);
+                    let loss_err = max_loss_err(&outcome.losses, &want_losses);
                     let param_err = max_param_err(&params(&outcome.model), &want_params);
                     if !(loss_err <= 1e-5 && param_err <= 1e-5) {
                         failures.push(format!(
@@ -260,12 +264,7 @@ fn recomputation_matches_single_device() {
                 let outcome =
                     train_local(&base, &cfg, STEPS, activation, batch, |_| {}).expect("runs");
                 let param_err = max_param_err(&params(&outcome.model), &want_params);
-                let loss_err = outcome
-                    .losses
-                    .iter()
-                    .zip(&want_losses)
-                    .map(|(g, w)| ((g - w) / w).abs())
-                    .fold(0.0, f64::max);
+                let loss_err = max_loss_err(&outcome.losses, &want_losses);
                 assert!(
                     param_err <= 1e-5 && loss_err <= 1e-5,
                     "{kind} dp={dp} {zero:?} recompute: params {param_err:.2e}, loss {loss_err:.2e}"
