@@ -11,8 +11,10 @@ use std::sync::Arc;
 use super::rng::SplitMix64;
 use super::{Corpus, DataError};
 
-/// How the synthetic source is drawn. [`Default`] is sized so a small GPT learns it on a CPU in
-/// about a minute: 16 symbols, order 2 (256 contexts), 4 likely successors per context.
+/// How the synthetic source is drawn. [`Default`]: 16 symbols, order 2 (256 contexts), 4 likely
+/// successors per context. A small GPT needs attention to one token back to learn order 2,
+/// which took more than 300 steps on 2 CPU cores; `bfpp train` defaults to order 1 instead
+/// (see `src/cli/config.rs`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MarkovConfig {
     /// Number of symbols `A` (1..=256).
