@@ -160,7 +160,8 @@ impl<B: Backend> LocalComm<B> {
     }
 
     /// Exchanges this rank's contribution with every other member of `group` and returns all
-    /// contributions in group-rank order, together with the members' world ranks.
+    /// contributions in group-rank order, together with the members' world ranks; fails if a
+    /// member's contribution has another shape.
     fn gather_contributions(
         &self,
         group: Group,
@@ -198,6 +199,12 @@ impl<B: Backend> LocalComm<B> {
                 }
             }
         }
+        // Every caller combines element-wise or concatenates equal shards: shapes must agree.
+        for (part, &member) in parts.iter().zip(&members) {
+            if part.shape != shape {
+                return Err(self.shape_mismatch(member, action, shape, &part.shape));
+            }
+        }
         Ok((parts, members))
     }
 
@@ -215,11 +222,6 @@ impl<B: Backend> LocalComm<B> {
         let shape = tensor.dims().to_vec();
         let mine = self.read_host(tensor, action)?;
         let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
-        for (part, &member) in parts.iter().zip(&members) {
-            if part.shape != shape {
-                return Err(self.shape_mismatch(member, action, &shape, &part.shape));
-            }
-        }
         let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
         let out = host::reduce(&refs, range, op, out_shape).map_err(|(i, reason)| {
             self.data_error(action, format!("rank {}: {reason}", members[i]))
@@ -314,11 +316,6 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         }
         let mine = self.read_host(shard, action)?;
         let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
-        for (part, &member) in parts.iter().zip(&members) {
-            if part.shape != shape {
-                return Err(self.shape_mismatch(member, action, &shape, &part.shape));
-            }
-        }
         let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
         let out = host::concat(&refs).map_err(|(i, reason)| {
             self.data_error(action, format!("rank {}: {reason}", members[i]))

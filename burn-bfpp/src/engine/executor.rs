@@ -14,7 +14,7 @@ use super::shard::ShardLayout;
 use super::{EngineError, TimedEvent};
 use crate::comm::{Communicator, Group, ReduceOp};
 use crate::model::{
-    autodiff_lock, flatten_grads, flatten_params, fresh_leaves, input_grad, input_leaf, load_flat,
+    autodiff_lock, flatten_grads, flatten_params, fresh_leaves, input_grad, input_leaf,
     load_flat_shaped, loss_backward, param_shapes, release_params, stage_backward, MicroBatch,
     PipelineStage, StageInput, StageOutput,
 };
@@ -71,6 +71,15 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
             // ZeRO-0 keeps its full, current weights; above, the list gathers them.
             gathered: zero == ZeroLevel::Zero0,
         }
+    }
+
+    /// Put the stage's full padded flat parameters `padded` into its module (refilling it if
+    /// `RESHARD` freed it).
+    fn refill(&mut self, padded: Tensor<Inner<B>, 1>) -> Result<(), EngineError> {
+        let values = Tensor::from_inner(padded.narrow(0, 0, self.layout.numel));
+        let _autodiff = autodiff_lock();
+        self.module = load_flat_shaped(self.module.clone(), &values, &self.shapes)?;
+        Ok(())
     }
 
     /// Bytes of parameter values held now: the gathered full copy, and the owned shard when
@@ -480,13 +489,7 @@ where
         let comm = self.comm;
         let stage = self.stage_mut(s)?;
         let full = comm.all_gather(Group::DataParallel, stage.owned.clone())?;
-        let values = full.narrow(0, 0, stage.layout.numel);
-        let _autodiff = autodiff_lock();
-        stage.module = load_flat_shaped(
-            stage.module.clone(),
-            &Tensor::from_inner(values),
-            &stage.shapes,
-        )?;
+        stage.refill(full)?;
         stage.gathered = true;
         self.note_memory();
         Ok(())
@@ -547,9 +550,7 @@ where
                 .step(lr, stage.owned.clone(), grad)
                 .map_err(|e| EngineError::Optimizer(e.to_string()))?;
             if !stage.layout.sharded {
-                let values = stage.owned.clone().narrow(0, 0, stage.layout.numel);
-                let _autodiff = autodiff_lock();
-                stage.module = load_flat(stage.module.clone(), &Tensor::from_inner(values))?;
+                stage.refill(stage.owned.clone())?;
             }
         }
         Ok(())
