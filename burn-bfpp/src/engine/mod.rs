@@ -9,6 +9,7 @@
 
 mod error;
 mod executor;
+mod rank;
 mod shard;
 
 use std::sync::Mutex;
@@ -17,11 +18,10 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::AutodiffBackend;
 
 pub use error::EngineError;
+pub use rank::{stages_for_rank, train_rank, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
 
-use executor::{ExecutorSettings, Finished, LocalStage, RankExecutor};
-
-use crate::comm::{run_ranks, CommConfig, Communicator, Group, LocalComm, RankError, RankGrid};
+use crate::comm::{run_ranks, CommConfig, Communicator, LocalComm, RankError, RankGrid};
 use crate::model::{recombine, split_model, MicroBatch, ModelSplit, PipelineModel};
 use crate::optim::{AdamWSettings, LrSchedule};
 use crate::schedule::{
@@ -151,14 +151,8 @@ pub struct TrainOutcome<M> {
     pub elapsed: Duration,
 }
 
-/// What each rank thread returns: its per-step losses (on last-stage ranks) and its state.
-struct RankResult<S> {
-    losses: Vec<Option<f64>>,
-    finished: Finished<S>,
-}
-
 /// A rank's stages, waiting for its thread to take them.
-type RankSlot<B, S> = Mutex<Option<Vec<LocalStage<B, S>>>>;
+type RankSlot<S> = Mutex<Option<Vec<(usize, S)>>>;
 
 /// Train `model` for `steps` optimizer steps with ranks as threads of this process.
 ///
@@ -182,79 +176,49 @@ where
     P: Fn(&StepReport) + Sync,
 {
     let program = cfg.program()?;
-    let ranges = split_model(model, program.num_stages(), &cfg.split)?;
-    let stage_modules = model.stages(&ranges)?;
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
     let comms: Vec<LocalComm<B::InnerBackend>> =
         LocalComm::create(grid, CommConfig::with_timeout(cfg.comm_timeout));
-    // Each rank takes its own stages out of this table inside its thread.
-    let per_rank: Vec<RankSlot<B, M::Stage>> = (0..grid.world_size())
+    // Split once; each rank takes its own stages out of this table inside its thread.
+    let ranges = split_model(model, program.num_stages(), &cfg.split)?;
+    let mut modules: Vec<Option<M::Stage>> = model.stages(&ranges)?.into_iter().map(Some).collect();
+    let per_rank: Vec<RankSlot<M::Stage>> = (0..grid.world_size())
         .map(|rank| {
-            let (pp_index, dp_index) = (grid.pp_index(rank), grid.dp_index(rank));
+            let pp_index = grid.pp_index(rank);
+            let last_replica = grid.dp_index(rank) + 1 == cfg.dp;
             let local = program
                 .stage_ranks
                 .iter()
                 .enumerate()
                 .filter(|&(_, &r)| r == pp_index)
-                .map(|(s, _)| {
-                    LocalStage::new(
-                        s,
-                        stage_modules[s].clone(),
-                        cfg.dp,
-                        dp_index,
-                        cfg.zero,
-                        &cfg.adamw,
-                    )
+                .filter_map(|(s, _)| {
+                    // The last replica takes the module itself, the others a clone.
+                    let module = if last_replica {
+                        modules[s].take()
+                    } else {
+                        modules[s].clone()
+                    };
+                    module.map(|m| (s, m))
                 })
                 .collect();
             Mutex::new(Some(local))
         })
         .collect();
-    let settings = ExecutorSettings {
-        zero: cfg.zero,
-        recompute: cfg.recompute,
-        microbatches: cfg.microbatches,
-        num_stages: program.num_stages(),
-        stage_ranks: program.stage_ranks.clone(),
-        activation_shape,
-        max_grad_norm: cfg.max_grad_norm,
-    };
     let epoch = Instant::now();
-    let results = run_ranks(comms, |comm| -> Result<RankResult<M::Stage>, EngineError> {
-        let rank = comm.rank();
-        let stages = per_rank[rank]
+    let plan = RankPlan {
+        cfg,
+        program: &program,
+        steps,
+        activation_shape,
+        epoch,
+    };
+    let results = run_ranks(comms, |comm| {
+        let stages = per_rank[comm.rank()]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
             .unwrap_or_default();
-        let pp_index = comm.group_rank(Group::Pipeline);
-        let list = program.ranks[pp_index].clone();
-        let mut exec = RankExecutor::new(comm, settings.clone(), list, stages, epoch);
-        let mut losses = Vec::with_capacity(steps);
-        for step in 1..=steps {
-            if let Some(f) = cfg.fault.filter(|f| f.rank == rank && f.step == step) {
-                if f.panic {
-                    panic!("injected panic on rank {rank} at step {step}");
-                }
-                return Err(EngineError::InjectedFault { rank, step });
-            }
-            let lr = cfg.lr.lr(step);
-            let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb);
-            let loss = exec.step(step, lr, &data)?;
-            if let (Some(loss), 0) = (loss, comm.group_rank(Group::DataParallel)) {
-                on_step(&StepReport {
-                    step,
-                    loss,
-                    lr,
-                    elapsed: epoch.elapsed().as_secs_f64(),
-                });
-            }
-            losses.push(loss);
-        }
-        Ok(RankResult {
-            losses,
-            finished: exec.finish()?,
-        })
+        train_rank(comm, &plan, stages, &batch, &on_step)
     })
     .map_err(|e| match e {
         RankError::Failed { error, .. } => error,
@@ -272,10 +236,10 @@ where
     let mut peak_param_bytes = Vec::new();
     for (rank, r) in results.into_iter().enumerate() {
         if grid.dp_index(rank) == 0 {
-            stages.extend(r.finished.stages);
+            stages.extend(r.stages);
         }
-        timelines.push(r.finished.events);
-        peak_param_bytes.push(r.finished.peak_param_bytes);
+        timelines.push(r.events);
+        peak_param_bytes.push(r.peak_param_bytes);
     }
     stages.sort_by_key(|(s, _)| *s);
     let stages: Vec<M::Stage> = stages.into_iter().map(|(_, s)| s).collect();

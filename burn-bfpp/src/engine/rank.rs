@@ -1,0 +1,142 @@
+//! One rank's share of a run, independent of how ranks are started: threads of one process
+//! ([`super::train_local`]) or one process per rank over any other [`Communicator`].
+
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use super::executor::{ExecutorSettings, LocalStage, RankExecutor};
+use super::{EngineConfig, EngineError, StepReport, TimedEvent};
+use crate::comm::{Communicator, Group};
+use crate::model::{split_model, MicroBatch, PipelineModel, PipelineStage};
+use crate::schedule::PipelineSchedule;
+
+/// What every rank of a run shares besides its communicator, stages and data.
+#[derive(Debug, Clone, Copy)]
+pub struct RankPlan<'a> {
+    /// Layout and optimization settings (the same on every rank).
+    pub cfg: &'a EngineConfig,
+    /// The lowered per-rank programs, from [`EngineConfig::program`].
+    pub program: &'a PipelineSchedule,
+    /// Optimizer steps to run.
+    pub steps: usize,
+    /// Shape of the tensors passed between stages (`[micro-batch size, sequence, hidden]`).
+    pub activation_shape: [usize; 3],
+    /// Time zero of the recorded timeline.
+    pub epoch: Instant,
+}
+
+/// What one rank produced.
+#[derive(Debug)]
+pub struct RankOutcome<S> {
+    /// The step's mean loss over the global batch, on ranks that hold the last stage.
+    pub losses: Vec<Option<f64>>,
+    /// The rank's stages, by global index, with their final (gathered) weights.
+    pub stages: Vec<(usize, S)>,
+    /// Every action the rank ran.
+    pub events: Vec<TimedEvent>,
+    /// Highest bytes of parameter values the rank held.
+    pub peak_param_bytes: usize,
+}
+
+/// The stages pipeline rank `pp_index` holds under `program`, cut from `model`.
+///
+/// Every process of a multi-process run calls this on an identically initialised model, so
+/// the stages agree without sending weights around.
+pub fn stages_for_rank<B, M>(
+    model: &M,
+    cfg: &EngineConfig,
+    program: &PipelineSchedule,
+    pp_index: usize,
+) -> Result<Vec<(usize, M::Stage)>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B>,
+{
+    let ranges = split_model(model, program.num_stages(), &cfg.split)?;
+    let modules = model.stages(&ranges)?;
+    Ok(modules
+        .into_iter()
+        .enumerate()
+        .filter(|&(s, _)| program.stage_ranks[s] == pp_index)
+        .collect())
+}
+
+/// Run this rank's program for `plan.steps` optimizer steps over `comm`.
+///
+/// `stages` are the rank's stages (see [`stages_for_rank`]); `batch(step, dp_index,
+/// microbatch)` must be a pure function of its arguments; `on_step` is called on the rank
+/// that holds the last stage in replica 0 after every step.
+pub fn train_rank<B, S, C, F, P>(
+    comm: &C,
+    plan: &RankPlan<'_>,
+    stages: Vec<(usize, S)>,
+    batch: F,
+    on_step: P,
+) -> Result<RankOutcome<S>, EngineError>
+where
+    B: AutodiffBackend,
+    S: PipelineStage<B>,
+    C: Communicator<B::InnerBackend>,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport),
+{
+    let cfg = plan.cfg;
+    let rank = comm.rank();
+    let grid = comm.grid();
+    if grid.pp() != cfg.pp || grid.dp() != cfg.dp {
+        return Err(EngineError::Config(format!(
+            "rank {rank}: the communicator's grid is pp={} dp={} but the configuration says \
+             pp={} dp={}; start pp × dp ranks",
+            grid.pp(),
+            grid.dp(),
+            cfg.pp,
+            cfg.dp
+        )));
+    }
+    let dp_index = comm.group_rank(Group::DataParallel);
+    let pp_index = comm.group_rank(Group::Pipeline);
+    let local = stages
+        .into_iter()
+        .map(|(s, module)| LocalStage::new(s, module, cfg.dp, dp_index, cfg.zero, &cfg.adamw))
+        .collect();
+    let settings = ExecutorSettings {
+        zero: cfg.zero,
+        recompute: cfg.recompute,
+        microbatches: cfg.microbatches,
+        num_stages: plan.program.num_stages(),
+        stage_ranks: plan.program.stage_ranks.clone(),
+        activation_shape: plan.activation_shape,
+        max_grad_norm: cfg.max_grad_norm,
+    };
+    let list = plan.program.ranks[pp_index].clone();
+    let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch);
+    let mut losses = Vec::with_capacity(plan.steps);
+    for step in 1..=plan.steps {
+        if let Some(f) = cfg.fault.filter(|f| f.rank == rank && f.step == step) {
+            if f.panic {
+                panic!("injected panic on rank {rank} at step {step}");
+            }
+            return Err(EngineError::InjectedFault { rank, step });
+        }
+        let lr = cfg.lr.lr(step);
+        let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb);
+        let loss = exec.step(step, lr, &data)?;
+        if let (Some(loss), 0) = (loss, dp_index) {
+            on_step(&StepReport {
+                step,
+                loss,
+                lr,
+                elapsed: plan.epoch.elapsed().as_secs_f64(),
+            });
+        }
+        losses.push(loss);
+    }
+    let finished = exec.finish()?;
+    Ok(RankOutcome {
+        losses,
+        stages: finished.stages,
+        events: finished.events,
+        peak_param_bytes: finished.peak_param_bytes,
+    })
+}
