@@ -9,6 +9,7 @@
 
 mod error;
 mod executor;
+mod profile;
 mod rank;
 mod shard;
 
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::AutodiffBackend;
 
 pub use error::EngineError;
+pub use profile::StepProfile;
 pub use rank::{stages_for_rank, train_rank, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
 

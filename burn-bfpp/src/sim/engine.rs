@@ -10,12 +10,12 @@
 //! the schedule replay does; sends never wait for receives, so a schedule that is deadlock
 //! free under blocking sends (what the validator proves) completes here.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use crate::schedule::{Action, ActionKind, PipelineSchedule, ZeroLevel};
 
 use super::cost::CostTable;
-use super::memory::{static_bytes, Ledger};
+use super::memory::{static_bytes, static_weight_elements, Ledger};
 use super::result::{Interval, RankTrace, SimResult, TraceItem};
 use super::{SimConfig, SimError};
 
@@ -43,6 +43,8 @@ struct RankState {
     exposed_p2p: f64,
     exposed_dp: f64,
     memory: Ledger,
+    /// Gathered full-size weights only (part of `memory`), for the parameter-bytes peak.
+    weights: Ledger,
     activations: Ledger,
     gathers: usize,
     reductions: usize,
@@ -58,6 +60,8 @@ enum Step {
 struct Engine<'a> {
     sched: &'a PipelineSchedule,
     costs: &'a CostTable,
+    /// Per-action durations that replace the table's per-stage figures.
+    measured: Option<&'a ActionDurations>,
     zero: ZeroLevel,
     elem: u64,
     mbs: usize,
@@ -70,6 +74,11 @@ struct Engine<'a> {
     bwd_arrival: Vec<f64>,
     bwd_sent: Vec<f64>,
     ranks: Vec<RankState>,
+}
+
+/// The measured duration of `a` if there is one, else the table's figure `table`.
+fn duration(measured: Option<&ActionDurations>, a: Action, table: f64) -> f64 {
+    measured.and_then(|m| m.get(&a)).copied().unwrap_or(table)
 }
 
 fn missing(rank: usize, a: Action, what: Action) -> SimError {
@@ -157,12 +166,16 @@ impl Engine<'_> {
         let start = st.compute_free.max(arrived).max(dp_ready);
         st.exposed_p2p += (arrived - st.compute_free.max(produced)).max(0.0);
         st.exposed_dp += (start - st.compute_free.max(arrived)).max(0.0);
-        let duration = match a.kind {
-            ActionKind::Forward => c.forward[s],
-            ActionKind::Backward => c.backward[s],
-            ActionKind::BackwardInput => c.backward_input[s],
-            _ => c.backward_weight[s],
-        };
+        let duration = duration(
+            self.measured,
+            a,
+            match a.kind {
+                ActionKind::Forward => c.forward[s],
+                ActionKind::Backward => c.backward[s],
+                ActionKind::BackwardInput => c.backward_input[s],
+                _ => c.backward_weight[s],
+            },
+        );
         let end = start + duration;
         st.compute_free = end;
         st.busy += duration;
@@ -235,7 +248,7 @@ impl Engine<'_> {
         let bytes = self.costs.message_bytes[boundary];
         let st = &mut self.ranks[rank];
         let start = st.send_free.max(data);
-        let end = start + self.costs.transfer[boundary];
+        let end = start + duration(self.measured, a, self.costs.transfer[boundary]);
         st.send_free = end;
         // The sender keeps the outgoing tensor until it is on the wire.
         st.memory.alloc(data, bytes);
@@ -297,12 +310,13 @@ impl Engine<'_> {
                 // Reuse the buffer of the oldest free not yet taken.
                 let claim = st.reshards.pop_front().unwrap_or(0.0);
                 let start = st.dp_free.max(claim);
-                let end = start + c.gather[s];
+                let end = start + duration(self.measured, a, c.gather[s]);
                 st.dp_free = end;
                 st.unshard_end[s] = end;
                 st.gathers += 1;
                 if zero3 && !st.gathered[s] {
                     st.memory.alloc(start, weight_bytes);
+                    st.weights.alloc(start, weight_bytes);
                     st.gathered[s] = true;
                 }
                 st.trace.dp.push(Interval {
@@ -321,6 +335,7 @@ impl Engine<'_> {
                 st.reshards.push_back(t);
                 if st.gathered[s] {
                     st.memory.free(t, weight_bytes);
+                    st.weights.free(t, weight_bytes);
                     st.gathered[s] = false;
                 }
                 st.trace.compute.push(Interval {
@@ -336,7 +351,7 @@ impl Engine<'_> {
                     st.wgrad_end[s]
                 };
                 let start = st.dp_free.max(ready);
-                let end = start + c.reduce[s];
+                let end = start + duration(self.measured, a, c.reduce[s]);
                 st.dp_free = end;
                 st.reductions += 1;
                 if zero2 {
@@ -432,18 +447,66 @@ fn check_schedule(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<(), Si
 /// inputs.
 pub fn simulate(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<SimResult, SimError> {
     cfg.check()?;
+    let costs = CostTable::new(
+        cfg,
+        &schedule.stage_ranks,
+        schedule.num_ranks(),
+        schedule.microbatches,
+    )?;
+    simulate_costed(schedule, cfg, &costs, None)
+}
+
+/// Durations of individual actions (seconds), e.g. measured by the training engine.
+pub type ActionDurations = HashMap<Action, f64>;
+
+/// Simulate with an explicit cost table (sizes, and durations per stage) and, optionally,
+/// per-action durations that take precedence over it: feeding a run's measured durations
+/// replays that run under the simulator's stream and dependency rules.
+///
+/// `cfg` still supplies the ZeRO level, data-parallel size, element type and gradient
+/// buffers; the table must have one entry per stage (and `optimizer` one per rank).
+pub fn simulate_costed(
+    schedule: &PipelineSchedule,
+    cfg: &SimConfig,
+    costs: &CostTable,
+    measured: Option<&ActionDurations>,
+) -> Result<SimResult, SimError> {
+    cfg.check()?;
     check_schedule(schedule, cfg)?;
     let (n, stages, mbs) = (
         schedule.num_ranks(),
         schedule.num_stages(),
         schedule.microbatches,
     );
-    let costs = CostTable::new(cfg, &schedule.stage_ranks, n, mbs)?;
+    let per_stage = [
+        ("forward", costs.forward.len()),
+        ("backward", costs.backward.len()),
+        ("backward_input", costs.backward_input.len()),
+        ("backward_weight", costs.backward_weight.len()),
+        ("message_bytes", costs.message_bytes.len()),
+        ("transfer", costs.transfer.len()),
+        ("gather", costs.gather.len()),
+        ("reduce", costs.reduce.len()),
+        ("parameters", costs.parameters.len()),
+        ("activation_bytes", costs.activation_bytes.len()),
+    ];
+    if let Some((name, len)) = per_stage.iter().find(|&&(_, len)| len != stages) {
+        return Err(SimError::Config(format!(
+            "cost table field `{name}` has {len} entries but the schedule has {stages} stages"
+        )));
+    }
+    if costs.optimizer.len() != n {
+        return Err(SimError::Config(format!(
+            "cost table field `optimizer` has {} entries but the schedule has {n} ranks",
+            costs.optimizer.len()
+        )));
+    }
     let slots = stages * mbs;
     let zero2 = cfg.zero >= ZeroLevel::Zero2;
     let mut engine = Engine {
         sched: schedule,
-        costs: &costs,
+        costs,
+        measured,
         zero: cfg.zero,
         elem: cfg.dtype.bytes(),
         mbs,
@@ -475,6 +538,7 @@ pub fn simulate(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<SimResul
                 exposed_p2p: 0.0,
                 exposed_dp: 0.0,
                 memory: Ledger::default(),
+                weights: Ledger::default(),
                 activations: Ledger::default(),
                 gathers: 0,
                 reductions: 0,
@@ -521,7 +585,7 @@ pub fn simulate(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<SimResul
             stuck.join("; ")
         )));
     }
-    Ok(finish(engine.ranks, schedule, cfg, &costs))
+    Ok(finish(engine.ranks, schedule, cfg, costs))
 }
 
 /// Optimizer step, totals and per-rank peaks.
@@ -552,6 +616,7 @@ fn finish(
         exposed_dp_per_rank: Vec::with_capacity(n),
         optimizer_s: costs.optimizer.clone(),
         peak_memory_bytes: Vec::with_capacity(n),
+        peak_weight_bytes: Vec::with_capacity(n),
         device_memory_bytes: cfg.hardware.memory_bytes,
         peak_activation_microbatches: Vec::with_capacity(n),
         all_gathers: Vec::with_capacity(n),
@@ -575,6 +640,9 @@ fn finish(
             .push(st.activations.peak() as f64 / stages_here);
         let fixed = static_bytes(local_stages[r].iter().copied(), cfg.zero, cfg.dp, cfg.dtype);
         out.peak_memory_bytes.push(fixed + st.memory.peak());
+        let weights = static_weight_elements(local_stages[r].iter().copied(), cfg.zero, cfg.dp);
+        out.peak_weight_bytes
+            .push(weights * cfg.dtype.bytes() + st.weights.peak());
         out.exposed_p2p_per_rank.push(st.exposed_p2p);
         out.exposed_dp_per_rank.push(st.exposed_dp);
         out.all_gathers.push(st.gathers);

@@ -37,6 +37,25 @@ pub fn static_bytes(
         .sum()
 }
 
+/// Weight elements (not bytes) a rank holds for the whole step (the weights column of
+/// [`static_bytes`]'s table): shards at ZeRO-3, full copies below.
+pub fn static_weight_elements(
+    stage_parameters: impl IntoIterator<Item = u64>,
+    zero: ZeroLevel,
+    dp: usize,
+) -> u64 {
+    stage_parameters
+        .into_iter()
+        .map(|p| {
+            if zero >= ZeroLevel::Zero3 {
+                p.div_ceil(dp as u64)
+            } else {
+                p
+            }
+        })
+        .sum()
+}
+
 /// A log of (time, signed amount) changes whose running sum is swept for its maximum.
 #[derive(Debug, Clone, Default)]
 pub struct Ledger {

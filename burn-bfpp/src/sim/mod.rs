@@ -52,7 +52,7 @@ use serde::Deserialize;
 use crate::schedule::{ScheduleError, ZeroLevel};
 
 pub use cost::{CostTable, Topology};
-pub use engine::simulate;
+pub use engine::{simulate, simulate_costed, ActionDurations};
 pub use hardware::{HardwareConfig, HARDWARE_PRESETS};
 pub use model::{Dtype, GptShape, ModelConfig, UnitModel, MODEL_PRESETS};
 pub use result::{Interval, RankTrace, SimResult, TraceItem, JSON_KEYS};

@@ -71,6 +71,10 @@ pub struct SimResult {
     /// Peak memory of each rank, bytes: static training state plus the maximum over time of
     /// gathered weights, gradient buffers, live activations and in-flight messages.
     pub peak_memory_bytes: Vec<u64>,
+    /// Peak bytes of weights each rank holds: its static weights (shards at ZeRO-3) plus the
+    /// gathered full-size copies live at the same time. Part of `peak_memory_bytes`; the
+    /// quantity the training engine reports as `peak_param_bytes`.
+    pub peak_weight_bytes: Vec<u64>,
     /// Device memory of the hardware, to compare with `peak_memory_bytes`.
     pub device_memory_bytes: u64,
     /// Maximum over time of the rank's live stage activations ÷ its stage count, in units of
