@@ -16,7 +16,7 @@ use crate::schedule::{Action, ActionKind, PipelineSchedule, ZeroLevel};
 
 use super::cost::CostTable;
 use super::memory::{static_bytes, Ledger};
-use super::result::{Interval, RankTrace, SimResult, TraceItem};
+use super::result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem};
 use super::{SimConfig, SimError};
 
 const UNKNOWN: f64 = f64::NAN;
@@ -330,10 +330,13 @@ impl Engine<'_> {
                 });
             }
             _ => {
+                // Issued in program order: after every compute before it in the list (in a
+                // lowered list that is the stage's last weight-gradient compute; a deferred
+                // reduction, Megatron-LM's way, waits for the whole backward).
                 let ready = if st.wgrad_end[s].is_nan() {
-                    0.0
+                    st.compute_free
                 } else {
-                    st.wgrad_end[s]
+                    st.wgrad_end[s].max(st.compute_free)
                 };
                 let start = st.dp_free.max(ready);
                 let end = start + c.reduce[s];
@@ -557,6 +560,7 @@ fn finish(
         all_gathers: Vec::with_capacity(n),
         reduce_scatters: Vec::with_capacity(n),
         trace: Vec::with_capacity(n),
+        memory: Vec::with_capacity(n),
     };
     for (r, mut st) in ranks.into_iter().enumerate() {
         // The optimizer waits for every reduction; that wait is exposed data-parallel time.
@@ -575,6 +579,10 @@ fn finish(
             .push(st.activations.peak() as f64 / stages_here);
         let fixed = static_bytes(local_stages[r].iter().copied(), cfg.zero, cfg.dp, cfg.dtype);
         out.peak_memory_bytes.push(fixed + st.memory.peak());
+        out.memory.push(MemoryLog {
+            static_bytes: fixed,
+            changes: st.memory.into_changes(),
+        });
         out.exposed_p2p_per_rank.push(st.exposed_p2p);
         out.exposed_dp_per_rank.push(st.exposed_dp);
         out.all_gathers.push(st.gathers);
