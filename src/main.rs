@@ -42,6 +42,9 @@ enum Command {
     Schedule(ScheduleArgs),
     /// Check a schedule CSV (one line per rank, as written by `bfpp` or PyTorch pipelining).
     Validate(ValidateArgs),
+    /// Predict one optimizer step of a layout: step time, throughput, bubble, exposed
+    /// communication, memory; optionally draw its timeline, trace and memory.
+    Simulate(Box<cli::simulate::SimulateArgs>),
 }
 
 #[derive(Debug, Args)]
@@ -148,6 +151,7 @@ fn main() -> ExitCode {
         Command::Train(args) => cli::train::run(&args),
         Command::Schedule(args) => run_schedule(&args),
         Command::Validate(args) => run_validate(&args),
+        Command::Simulate(args) => cli::simulate::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -9,6 +9,7 @@ pub mod args;
 pub mod config;
 #[cfg(feature = "flex")]
 pub mod report;
+pub mod simulate;
 #[cfg(feature = "flex")]
 pub mod train;
 
@@ -50,6 +51,20 @@ pub enum CliError {
         /// The I/O failure.
         source: io::Error,
     },
+    /// A simulator configuration is invalid, or the simulation failed.
+    #[error(transparent)]
+    Sim(#[from] burn_bfpp::sim::SimError),
+    /// A model or hardware TOML file is invalid.
+    #[error("{}: {source}", path.display())]
+    SimFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        source: burn_bfpp::sim::SimError,
+    },
+    /// A picture could not be written.
+    #[error(transparent)]
+    Viz(#[from] burn_bfpp::viz::VizError),
     /// `bfpp train` failed.
     #[cfg(feature = "flex")]
     #[error(transparent)]

@@ -84,6 +84,7 @@ pub use engine::simulate;
 pub use hardware::{HardwareConfig, HARDWARE_PRESETS};
 pub use model::{Dtype, GptShape, ModelConfig, UnitModel, MODEL_PRESETS};
 pub use strategy::{build_schedule, megatron_collectives, Strategy};
+pub use memory::static_bytes;
 pub use result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem, JSON_KEYS};
 
 /// Everything that can go wrong configuring or running a simulation.
