@@ -7,6 +7,7 @@
 pub mod args;
 #[cfg(feature = "flex")]
 pub mod config;
+pub mod plan;
 #[cfg(feature = "flex")]
 pub mod report;
 pub mod simulate;
@@ -62,6 +63,9 @@ pub enum CliError {
         /// What is wrong with it.
         source: burn_bfpp::sim::SimError,
     },
+    /// The planner failed, or nothing fits.
+    #[error(transparent)]
+    Plan(#[from] burn_bfpp::plan::PlanError),
     /// A picture could not be written.
     #[error(transparent)]
     Viz(#[from] burn_bfpp::viz::VizError),

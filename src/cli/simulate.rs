@@ -233,9 +233,16 @@ pub fn gib(bytes: u64) -> String {
 }
 
 /// A per-rank list, shortened to its extremes when long.
-fn per_rank<T: Copy + PartialOrd + std::fmt::Display>(values: &[T], show: impl Fn(T) -> String) -> String {
+fn per_rank<T: Copy + PartialOrd + std::fmt::Display>(
+    values: &[T],
+    show: impl Fn(T) -> String,
+) -> String {
     if values.len() <= 8 {
-        return values.iter().map(|&v| show(v)).collect::<Vec<_>>().join(", ");
+        return values
+            .iter()
+            .map(|&v| show(v))
+            .collect::<Vec<_>>()
+            .join(", ");
     }
     let (mut lo, mut hi) = (0, 0);
     for (i, v) in values.iter().enumerate() {
@@ -269,7 +276,11 @@ fn summary(title: &str, cfg: &SimConfig, pp: usize, r: &SimResult) -> String {
     } else {
         ("s", "tokens/s")
     };
-    let _ = writeln!(out, "GPUs              {gpus} (pp {pp} × dp {} × tp {})", cfg.dp, cfg.tp);
+    let _ = writeln!(
+        out,
+        "GPUs              {gpus} (pp {pp} × dp {} × tp {})",
+        cfg.dp, cfg.tp
+    );
     let _ = writeln!(out, "step time         {:.6} {t}", r.step_time_s);
     let _ = writeln!(out, "throughput        {:.1} {rate}", r.tokens_per_s);
     if !r.unit_time {

@@ -88,7 +88,10 @@ fn reason(component: &str, l: &Layout, best: &Layout) -> String {
             "recomputation re-runs every forward in the backward".into()
         }
         "compute" if l.tp > best.tp => {
-            format!("tp={} adds two all-reduces per layer in forward and backward", l.tp)
+            format!(
+                "tp={} adds two all-reduces per layer in forward and backward",
+                l.tp
+            )
         }
         "compute" => "smaller or skinnier matrix multiplications run further from peak, or \
                       the busiest rank holds more layers"
@@ -139,10 +142,10 @@ pub fn explain(req: &PlanRequest, text: &str) -> Result<Explanation, PlanError> 
         let extra = needed.saturating_sub(b.static_bytes + b.activation_bytes);
         let _ = writeln!(
             out,
-            "rejected: does not fit in memory: the fullest rank needs {} {} > {} of device \
+            "rejected: does not fit in memory: the fullest rank needs {}{} > {} of device \
              memory: {} of weights, gradients and optimizer state (ZeRO-{} over dp={}), {} of \
              activations ({} stage micro-batches live at once){}",
-            if simulated { "" } else { "at least" },
+            if simulated { "" } else { "at least " },
             gib(needed),
             gib(limit),
             gib(b.static_bytes),
@@ -151,7 +154,10 @@ pub fn explain(req: &PlanRequest, text: &str) -> Result<Explanation, PlanError> 
             gib(b.activation_bytes),
             b.live_stage_activations,
             if simulated {
-                format!(", {} of gathered weights, gradient buffers and messages", gib(extra))
+                format!(
+                    ", {} of gathered weights, gradient buffers and messages",
+                    gib(extra)
+                )
             } else {
                 String::new()
             }

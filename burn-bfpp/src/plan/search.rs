@@ -6,9 +6,7 @@ use std::sync::Arc;
 use crate::schedule::{PipelineSchedule, Placement, ScheduleKind, ZeroLevel};
 use crate::sim::{build_schedule, simulate, static_bytes, CostTable, ModelConfig, Strategy};
 
-use super::{
-    Candidate, Family, Layout, Plan, PlanError, PlanRequest, Score, SearchStats,
-};
+use super::{Candidate, Family, Layout, Plan, PlanError, PlanRequest, Score, SearchStats};
 
 /// Cheap, provable bounds of one layout (see the module docs of [`crate::plan`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,13 +74,20 @@ pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
         let act = if all_stages {
             stages.iter().map(|&s| c.activation_bytes[s]).sum::<u64>() * l.microbatches as u64
         } else {
-            let smallest = stages.iter().map(|&s| c.activation_bytes[s]).min().unwrap_or(0);
+            let smallest = stages
+                .iter()
+                .map(|&s| c.activation_bytes[s])
+                .min()
+                .unwrap_or(0);
             smallest * count as u64
         };
         if fixed + act > worst.0 {
             worst = (fixed + act, fixed, act, count);
         }
-        let compute: f64 = stages.iter().map(|&s| m * (c.forward[s] + c.backward[s])).sum();
+        let compute: f64 = stages
+            .iter()
+            .map(|&s| m * (c.forward[s] + c.backward[s]))
+            .sum();
         // head/tail: forwards of stages 0..r before this rank can start, backwards after.
         core = core.max(head + compute + tail);
         head += c.forward[r];
@@ -191,9 +196,19 @@ pub(super) fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                         }
                     }
                     if v == 1 {
-                        push(Strategy::Megatron, ScheduleKind::OneFOneB, 1, ZeroLevel::Zero1);
+                        push(
+                            Strategy::Megatron,
+                            ScheduleKind::OneFOneB,
+                            1,
+                            ZeroLevel::Zero1,
+                        );
                     } else if interleaved_ok {
-                        push(Strategy::Megatron, ScheduleKind::Interleaved, v, ZeroLevel::Zero1);
+                        push(
+                            Strategy::Megatron,
+                            ScheduleKind::Interleaved,
+                            v,
+                            ZeroLevel::Zero1,
+                        );
                     }
                 }
             }
@@ -223,7 +238,14 @@ impl ScheduleCache {
     const CAPACITY: usize = 64;
 
     pub(super) fn get(&mut self, l: &Layout) -> Result<Arc<PipelineSchedule>, PlanError> {
-        let key = (l.strategy, l.schedule, l.pp, l.loops, l.microbatches, l.zero);
+        let key = (
+            l.strategy,
+            l.schedule,
+            l.pp,
+            l.loops,
+            l.microbatches,
+            l.zero,
+        );
         if let Some(s) = self.map.get(&key) {
             return Ok(Arc::clone(s));
         }
@@ -331,7 +353,10 @@ pub fn plan(req: &PlanRequest, top: usize) -> Result<Plan, PlanError> {
             match outcome? {
                 Simulated::OverMemory(s) => {
                     stats.over_memory_simulated += 1;
-                    if closest_sim.as_ref().is_none_or(|c| s.peak_memory_bytes < c.0) {
+                    if closest_sim
+                        .as_ref()
+                        .is_none_or(|c| s.peak_memory_bytes < c.0)
+                    {
                         closest_sim = Some((s.peak_memory_bytes, l));
                     }
                 }

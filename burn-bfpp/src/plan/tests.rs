@@ -50,10 +50,17 @@ fn pruned_search_equals_brute_force_and_bounds_hold() {
             all.push(score.tokens_per_s);
         }
     }
-    assert!(plan.stats.pruned > 0, "the bound pruned nothing: {:?}", plan.stats);
+    assert!(
+        plan.stats.pruned > 0,
+        "the bound pruned nothing: {:?}",
+        plan.stats
+    );
     for (family, tps) in &brute {
         let found = plan.best_per_family[family].score.tokens_per_s;
-        assert!((found - tps).abs() <= 1e-9 * tps, "{family}: {found} vs {tps}");
+        assert!(
+            (found - tps).abs() <= 1e-9 * tps,
+            "{family}: {found} vs {tps}"
+        );
     }
     all.sort_by(|a, b| b.total_cmp(a));
     let ranked: Vec<f64> = plan.ranked.iter().map(|c| c.score.tokens_per_s).collect();
@@ -69,7 +76,11 @@ fn every_returned_layout_fits_and_the_ranking_is_by_throughput() {
     assert!(plan.stats.over_memory_bound + plan.stats.over_memory_simulated > 0);
     assert!(!plan.ranked.is_empty());
     for c in plan.ranked.iter().chain(plan.best_per_family.values()) {
-        assert!(c.score.peak_memory_bytes <= req.hardware.memory_bytes, "{}", c.layout);
+        assert!(
+            c.score.peak_memory_bytes <= req.hardware.memory_bytes,
+            "{}",
+            c.layout
+        );
         assert_eq!(c.layout.gpus(), 8);
         assert_eq!(c.layout.global_batch(), 32);
         assert!(c.layout.rule_violation(&req).is_none());
@@ -100,7 +111,11 @@ fn explain_names_why_a_layout_is_rejected_or_slower() {
     let req = request("gpt-6.7b", 8, 32);
     // Pure data parallelism at ZeRO-0: every GPU holds the whole training state.
     let e = explain(&req, "pp=1,dp=8,zero=0,schedule=gpipe").unwrap();
-    assert!(matches!(e.verdict, Verdict::OverMemory { .. }), "{}", e.text);
+    assert!(
+        matches!(e.verdict, Verdict::OverMemory { .. }),
+        "{}",
+        e.text
+    );
     assert!(e.text.contains("does not fit in memory"), "{}", e.text);
     assert!(e.text.contains("optimizer state"), "{}", e.text);
 
@@ -115,7 +130,11 @@ fn explain_names_why_a_layout_is_rejected_or_slower() {
     };
     let best = best.as_ref().unwrap();
     assert!(best.score.tokens_per_s > score.tokens_per_s, "{}", e.text);
-    assert!(e.text.contains("slower") && e.text.contains("mostly"), "{}", e.text);
+    assert!(
+        e.text.contains("slower") && e.text.contains("mostly"),
+        "{}",
+        e.text
+    );
 
     let err = explain(&req, "pp=eight").unwrap_err().to_string();
     assert!(err.contains("whole number"), "{err}");

@@ -82,10 +82,10 @@ use crate::schedule::{ScheduleError, ZeroLevel};
 pub use cost::{CostTable, Topology};
 pub use engine::simulate;
 pub use hardware::{HardwareConfig, HARDWARE_PRESETS};
-pub use model::{Dtype, GptShape, ModelConfig, UnitModel, MODEL_PRESETS};
-pub use strategy::{build_schedule, megatron_collectives, Strategy};
 pub use memory::static_bytes;
+pub use model::{Dtype, GptShape, ModelConfig, UnitModel, MODEL_PRESETS};
 pub use result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem, JSON_KEYS};
+pub use strategy::{build_schedule, megatron_collectives, Strategy};
 
 /// Everything that can go wrong configuring or running a simulation.
 #[derive(Debug, thiserror::Error)]

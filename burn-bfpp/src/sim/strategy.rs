@@ -141,7 +141,10 @@ pub fn megatron_collectives(schedule: &PipelineSchedule) -> Result<PipelineSched
                     _ => body.push(a),
                 }
             }
-            let first_use = |s: usize| body.iter().position(|a| a.stage == s && a.kind.is_compute());
+            let first_use = |s: usize| {
+                body.iter()
+                    .position(|a| a.stage == s && a.kind.is_compute())
+            };
             // Gathered last ⇒ finishes last on the in-order data-parallel stream.
             gathers.sort_by_key(|&s| std::cmp::Reverse(first_use(s)));
             let last_grad = |s: usize| {

@@ -34,7 +34,10 @@ fn megatron_lists_validate_with_collectives_at_the_step_boundary() {
                     _ => {}
                 }
             }
-            let reduces = list.iter().filter(|a| a.kind == ActionKind::ReduceGrad).count();
+            let reduces = list
+                .iter()
+                .filter(|a| a.kind == ActionKind::ReduceGrad)
+                .count();
             assert_eq!(reduces, v, "{kind}: one reduction per local stage");
         }
     }
@@ -95,7 +98,10 @@ fn strategy_rules_name_the_fix() {
     assert!(err(df, ZeroLevel::Zero3).contains("--zero 1"));
     let mut cfg = gpt_cfg("gpt-52b", 1, ZeroLevel::Zero1);
     cfg.tp = 16;
-    let msg = Strategy::Megatron.check_config(&cfg).unwrap_err().to_string();
+    let msg = Strategy::Megatron
+        .check_config(&cfg)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("--tp 8"), "{msg}");
     assert!(Strategy::Bfpp.check_config(&cfg).is_ok());
     assert_eq!("Megatron".parse::<Strategy>().unwrap(), Strategy::Megatron);
@@ -111,14 +117,17 @@ fn memory_log_reproduces_the_peak_and_returns_to_the_static_state() {
         (ScheduleKind::Interleaved, 2, 8, ZeroLevel::Zero2),
         (ScheduleKind::OneFOneB, 1, 8, ZeroLevel::Zero0),
     ] {
-        let sched = build_schedule(&ScheduleSpec::new(kind, 4, v, m), zero, Strategy::Bfpp)
-            .unwrap();
+        let sched =
+            build_schedule(&ScheduleSpec::new(kind, 4, v, m), zero, Strategy::Bfpp).unwrap();
         let r = simulate(&sched, &gpt_cfg("gpt-1.3b", 4, zero)).unwrap();
         let series = MemorySeries::from_sim(&r);
         assert_eq!(series.len(), 4);
         for (s, (log, &peak)) in series.iter().zip(r.memory.iter().zip(&r.peak_memory_bytes)) {
             assert_eq!(s.peak(), peak, "{kind} rank {}", s.rank);
-            assert!(peak > log.static_bytes, "{kind}: activations add to the state");
+            assert!(
+                peak > log.static_bytes,
+                "{kind}: activations add to the state"
+            );
             assert_eq!(s.points.last().unwrap().1, log.static_bytes, "{kind}");
             assert!(log.changes.windows(2).all(|w| w[0].0 <= w[1].0));
         }
