@@ -100,12 +100,14 @@ fn row(out: &mut String, label: &str, c: &Candidate, gpus: usize) {
         s.exposed_dp_s,
         gib(s.peak_memory_bytes).trim_end_matches(" GiB"),
         format_args!(
-            "tp={} pp={} loops={} dp={} M={} mbs={} ZeRO-{} {}{}{}",
+            "tp={} pp={} loops={} dp={} M={}{} mbs={} ZeRO-{} {}{}{}",
             l.tp,
             l.pp,
             l.loops,
             l.dp,
             l.microbatches,
+            l.bf_microbatches
+                .map_or(String::new(), |k| format!(" K={k}")),
             l.micro_batch_size,
             l.zero.number(),
             l.schedule,

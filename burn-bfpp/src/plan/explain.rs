@@ -61,8 +61,9 @@ fn memory_fixes(l: &Layout) -> Vec<&'static str> {
     if matches!(l.schedule, ScheduleKind::BreadthFirst | ScheduleKind::GPipe) && l.microbatches > 1
     {
         fixes.push(
-            "breadth-first and GPipe hold every micro-batch's activations: fewer micro-batches \
-             (more dp or a smaller batch) or a depth-first schedule hold fewer",
+            "breadth-first and GPipe hold every micro-batch's activations (of a sweep): fewer \
+             breadth-first micro-batches per sweep (k), more dp, or a depth-first schedule hold \
+             fewer",
         );
     }
     fixes.push("more pipeline ranks (pp) or tensor parallelism (tp) split the model further");

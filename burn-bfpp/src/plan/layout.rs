@@ -71,6 +71,9 @@ pub struct Layout {
     pub dp: usize,
     /// Micro-batches per step and replica M.
     pub microbatches: usize,
+    /// Breadth-first micro-batches per sweep K of Fast-LLM's hybrid (breadth-first only; K
+    /// divides M). `None`: K = M, the pure breadth-first schedule.
+    pub bf_microbatches: Option<usize>,
     /// Samples per micro-batch.
     pub micro_batch_size: usize,
     /// ZeRO level.
@@ -108,7 +111,7 @@ impl Layout {
             pp: self.pp,
             loops: self.loops,
             microbatches: self.microbatches,
-            bf_microbatches: None,
+            bf_microbatches: self.bf_microbatches,
             placement: Placement::Looping,
         }
     }
@@ -135,6 +138,7 @@ impl Layout {
             "loops": self.loops,
             "dp": self.dp,
             "microbatches": self.microbatches,
+            "bf_microbatches": self.bf_microbatches,
             "micro_batch_size": self.micro_batch_size,
             "zero": self.zero.number(),
             "recompute": self.recompute,
@@ -208,14 +212,18 @@ impl fmt::Display for Layout {
             self.micro_batch_size,
             self.zero.number(),
             self.recompute
-        )
+        )?;
+        match self.bf_microbatches {
+            Some(k) => write!(f, ",k={k}"),
+            None => Ok(()),
+        }
     }
 }
 
 impl Layout {
     /// Read `key=value` pairs separated by commas. Keys: `schedule`, `strategy` (or
-    /// `family=megatron`), `tp`, `pp`, `loops` (or `v`), `dp`, `microbatches` (or `m`), `mbs`
-    /// (or `micro_batch_size`), `zero`, `recompute`. Missing keys default to tp = 1,
+    /// `family=megatron`), `tp`, `pp`, `loops` (or `v`), `dp`, `microbatches` (or `m`), `k`
+    /// (or `bf_microbatches`), `mbs` (or `micro_batch_size`), `zero`, `recompute`. Missing keys default to tp = 1,
     /// loops = 1, mbs = 1, ZeRO-1 for megatron and 0 otherwise, no recomputation, bfpp,
     /// breadth-first; a missing `dp` or `microbatches` follows from the request's GPUs and
     /// global batch.
@@ -232,6 +240,7 @@ impl Layout {
             loops: 1,
             dp: 0,
             microbatches: 0,
+            bf_microbatches: None,
             micro_batch_size: 1,
             zero: ZeroLevel::Zero0,
             recompute: false,
@@ -272,6 +281,9 @@ impl Layout {
                 "loops" | "v" => l.loops = number("loops", value)?,
                 "dp" => l.dp = number("dp", value)?,
                 "microbatches" | "m" => l.microbatches = number("microbatches", value)?,
+                "k" | "bf_microbatches" | "bf-microbatches" => {
+                    l.bf_microbatches = Some(number("k", value)?)
+                }
                 "mbs" | "micro_batch_size" | "micro-batch-size" => {
                     l.micro_batch_size = number("mbs", value)?
                 }
@@ -289,7 +301,7 @@ impl Layout {
                 other => {
                     return Err(bad(format!(
                         "unknown key `{other}`; keys: schedule, strategy, family, tp, pp, loops, \
-                         dp, microbatches, mbs, zero, recompute"
+                         dp, microbatches, k, mbs, zero, recompute"
                     )))
                 }
             }

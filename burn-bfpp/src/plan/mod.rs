@@ -13,7 +13,8 @@
 //! - micro-batch size: divisors of B/DP up to [`SearchLimits::max_micro_batch_size`], with
 //!   M = B/(DP·mbs) at most [`SearchLimits::max_microbatches`];
 //! - families ([`Family`]): gpipe and 1f1b (V = 1), depth-first = interleaved (V ≥ 2,
-//!   M a multiple of P) and breadth-first (V ≥ 2, or any V when P = 1), all with the bfpp
+//!   M a multiple of P) and breadth-first (V ≥ 2, or any V when P = 1; pure, K = M, or
+//!   Fast-LLM's hybrid with every proper divisor K of M as the sweep size), all with the bfpp
 //!   overlap and ZeRO 0–3 (only 0 when DP = 1); megatron = 1F1B or interleaved with ZeRO-1
 //!   and reductions at the end of the step;
 //! - recompute off and on.

@@ -35,8 +35,10 @@ fn divisors(n: usize) -> Vec<usize> {
 fn live_activations(l: &Layout, r: usize) -> (usize, bool) {
     let (p, v, m) = (l.pp, l.loops, l.microbatches);
     match l.schedule {
-        // Every forward of the rank precedes its first backward: all V·M are live then.
-        ScheduleKind::GPipe | ScheduleKind::BreadthFirst => (v * m, true),
+        // Every forward of the rank (of the sweep, for the hybrid) precedes its first
+        // backward: all V·M (V·K) are live then.
+        ScheduleKind::GPipe => (v * m, true),
+        ScheduleKind::BreadthFirst => (v * l.bf_microbatches.unwrap_or(m), true),
         // Warm-up P − r − 1 forwards, then one more forward before the first backward.
         ScheduleKind::OneFOneB => ((p - r).min(m), false),
         ScheduleKind::Interleaved => {
@@ -72,7 +74,8 @@ pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
         );
         let (count, all_stages) = live_activations(l, r);
         let act = if all_stages {
-            stages.iter().map(|&s| c.activation_bytes[s]).sum::<u64>() * l.microbatches as u64
+            let per_stage = (count / stages.len().max(1)) as u64;
+            stages.iter().map(|&s| c.activation_bytes[s]).sum::<u64>() * per_stage
         } else {
             let smallest = stages
                 .iter()
@@ -165,7 +168,7 @@ pub(super) fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                 if mbs > req.limits.max_micro_batch_size || m > req.limits.max_microbatches {
                     continue;
                 }
-                let mut push = |strategy, schedule, loops, zero| {
+                let mut push = |strategy, schedule, loops, zero, bf_microbatches| {
                     for recompute in [false, true] {
                         out.push(Layout {
                             strategy,
@@ -175,6 +178,7 @@ pub(super) fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                             loops,
                             dp,
                             microbatches: m,
+                            bf_microbatches,
                             micro_batch_size: mbs,
                             zero,
                             recompute,
@@ -185,30 +189,25 @@ pub(super) fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                     let interleaved_ok = v >= 2 && m % pp == 0;
                     for &zero in zeros {
                         if v == 1 {
-                            push(Strategy::Bfpp, ScheduleKind::GPipe, 1, zero);
-                            push(Strategy::Bfpp, ScheduleKind::OneFOneB, 1, zero);
+                            push(Strategy::Bfpp, ScheduleKind::GPipe, 1, zero, None);
+                            push(Strategy::Bfpp, ScheduleKind::OneFOneB, 1, zero, None);
                         }
                         if v >= 2 || pp == 1 {
-                            push(Strategy::Bfpp, ScheduleKind::BreadthFirst, v, zero);
+                            // K = M (pure), and the hybrid's proper divisors K of M.
+                            let ks = divisors(m).into_iter().filter(|&k| k < m).map(Some);
+                            for k in std::iter::once(None).chain(ks) {
+                                push(Strategy::Bfpp, ScheduleKind::BreadthFirst, v, zero, k);
+                            }
                         }
                         if interleaved_ok {
-                            push(Strategy::Bfpp, ScheduleKind::Interleaved, v, zero);
+                            push(Strategy::Bfpp, ScheduleKind::Interleaved, v, zero, None);
                         }
                     }
+                    let z1 = ZeroLevel::Zero1;
                     if v == 1 {
-                        push(
-                            Strategy::Megatron,
-                            ScheduleKind::OneFOneB,
-                            1,
-                            ZeroLevel::Zero1,
-                        );
+                        push(Strategy::Megatron, ScheduleKind::OneFOneB, 1, z1, None);
                     } else if interleaved_ok {
-                        push(
-                            Strategy::Megatron,
-                            ScheduleKind::Interleaved,
-                            v,
-                            ZeroLevel::Zero1,
-                        );
+                        push(Strategy::Megatron, ScheduleKind::Interleaved, v, z1, None);
                     }
                 }
             }
@@ -225,7 +224,15 @@ pub(super) enum Simulated {
     OverMemory(Score),
 }
 
-type ScheduleKey = (Strategy, ScheduleKind, usize, usize, usize, ZeroLevel);
+type ScheduleKey = (
+    Strategy,
+    ScheduleKind,
+    usize,
+    usize,
+    usize,
+    Option<usize>,
+    ZeroLevel,
+);
 
 /// Lowered schedules shared by layouts that differ only in TP, micro-batch size or recompute.
 #[derive(Default)]
@@ -244,6 +251,7 @@ impl ScheduleCache {
             l.pp,
             l.loops,
             l.microbatches,
+            l.bf_microbatches,
             l.zero,
         );
         if let Some(s) = self.map.get(&key) {
