@@ -29,8 +29,8 @@ pub enum Verdict {
     Runs {
         /// The layout's simulation.
         score: Score,
-        /// The planner's best.
-        best: Option<Candidate>,
+        /// The planner's best (boxed: it is large and most verdicts do not carry one).
+        best: Option<Box<Candidate>>,
     },
 }
 
@@ -193,7 +193,7 @@ pub fn explain(req: &PlanRequest, text: &str) -> Result<Explanation, PlanError> 
         Simulated::Fits(s) => s,
     };
     let best = match plan(req, 1) {
-        Ok(p) => p.ranked.into_iter().next(),
+        Ok(p) => p.ranked.into_iter().next().map(Box::new),
         Err(PlanError::NothingFits { .. }) => None,
         Err(e) => return Err(e),
     };
