@@ -313,3 +313,33 @@ fn plan_explains_and_fails_clearly() {
         &["whole number"],
     );
 }
+
+#[test]
+fn simulate_reads_model_files_and_names_a_bad_one() {
+    let good = temp("model.toml");
+    std::fs::write(
+        &good,
+        "kind = \"gpt\"\nlayers = 8\nhidden = 512\nheads = 8\nsequence = 256\nvocabulary = 1024\n",
+    )
+    .unwrap();
+    let doc = json(&[
+        "simulate",
+        "--model",
+        good.to_str().unwrap(),
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--json",
+    ]);
+    assert!(doc["step_time_s"].as_f64().unwrap() > 0.0);
+    let bad = temp("bad.toml");
+    std::fs::write(&bad, "kind = \"gpt\"\nlayers = 8\n").unwrap();
+    assert_fails_with(
+        &["simulate", "--model", bad.to_str().unwrap()],
+        &[bad.to_str().unwrap(), "TOML"],
+    );
+    for p in [good, bad] {
+        let _ = std::fs::remove_file(p);
+    }
+}
