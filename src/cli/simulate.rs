@@ -282,7 +282,9 @@ fn summary(title: &str, cfg: &SimConfig, pp: usize, r: &SimResult) -> String {
         cfg.dp, cfg.tp
     );
     let _ = writeln!(out, "step time         {:.6} {t}", r.step_time_s);
-    let _ = writeln!(out, "throughput        {:.1} {rate}", r.tokens_per_s);
+    // Unit throughputs are small fractions (samples per unit); tokens/s are large numbers.
+    let digits = if r.unit_time { 4 } else { 1 };
+    let _ = writeln!(out, "throughput        {:.digits$} {rate}", r.tokens_per_s);
     if !r.unit_time {
         let _ = writeln!(
             out,
