@@ -123,7 +123,7 @@ fn markdown(points: &[Point]) -> String {
     let mut out = String::new();
     for gpus in CLUSTERS {
         out.push_str(&format!(
-            "\n{gpus} GPUs — tokens/s per GPU (MFU), best layout\n\n| batch/GPU | breadth-first | megatron | 1f1b | bf ÷ megatron |\n|---|---|---|---|---|\n"
+            "\n### {gpus} GPUs — tokens/s per GPU (MFU), best layout\n\n| batch/GPU | breadth-first | megatron | 1f1b | bf ÷ megatron |\n|---|---|---|---|---|\n"
         ));
         for per_gpu in PER_GPU {
             let get = |f: Family| {
