@@ -42,6 +42,14 @@ enum Command {
     Schedule(ScheduleArgs),
     /// Check a schedule CSV (one line per rank, as written by `bfpp` or PyTorch pipelining).
     Validate(ValidateArgs),
+    /// Predict one optimizer step of a layout: step time, throughput, bubble, exposed
+    /// communication, memory; optionally draw its timeline, trace and memory.
+    Simulate(Box<cli::simulate::SimulateArgs>),
+    /// Rank the layouts of a model on N GPUs for a global batch by simulated throughput, or
+    /// explain one layout.
+    Plan(Box<cli::plan::PlanArgs>),
+    /// The best layout of each family: breadth-first, depth-first, 1f1b, gpipe, megatron.
+    Compare(Box<cli::plan::CompareArgs>),
 }
 
 #[derive(Debug, Args)]
@@ -148,6 +156,9 @@ fn main() -> ExitCode {
         Command::Train(args) => cli::train::run(&args),
         Command::Schedule(args) => run_schedule(&args),
         Command::Validate(args) => run_validate(&args),
+        Command::Simulate(args) => cli::simulate::run(&args),
+        Command::Plan(args) => cli::plan::run_plan(&args),
+        Command::Compare(args) => cli::plan::run_compare(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,6 +10,7 @@ pub mod data;
 pub mod engine;
 pub mod model;
 pub mod optim;
+pub mod plan;
 pub mod schedule;
 pub mod sim;
 pub mod viz;

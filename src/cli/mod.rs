@@ -7,8 +7,10 @@
 pub mod args;
 #[cfg(feature = "flex")]
 pub mod config;
+pub mod plan;
 #[cfg(feature = "flex")]
 pub mod report;
+pub mod simulate;
 #[cfg(feature = "flex")]
 pub mod train;
 
@@ -50,6 +52,23 @@ pub enum CliError {
         /// The I/O failure.
         source: io::Error,
     },
+    /// A simulator configuration is invalid, or the simulation failed.
+    #[error(transparent)]
+    Sim(#[from] burn_bfpp::sim::SimError),
+    /// A model or hardware TOML file is invalid.
+    #[error("{}: {source}", path.display())]
+    SimFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        source: burn_bfpp::sim::SimError,
+    },
+    /// The planner failed, or nothing fits.
+    #[error(transparent)]
+    Plan(#[from] burn_bfpp::plan::PlanError),
+    /// A picture could not be written.
+    #[error(transparent)]
+    Viz(#[from] burn_bfpp::viz::VizError),
     /// `bfpp train` failed.
     #[cfg(feature = "flex")]
     #[error(transparent)]

@@ -14,9 +14,10 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::schedule::{Action, ActionKind, PipelineSchedule, ZeroLevel};
 
+use super::check::{check_costs, check_schedule};
 use super::cost::CostTable;
 use super::memory::{static_bytes, static_weight_elements, Ledger};
-use super::result::{Interval, RankTrace, SimResult, TraceItem};
+use super::result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem};
 use super::{SimConfig, SimError};
 
 const UNKNOWN: f64 = f64::NAN;
@@ -345,10 +346,13 @@ impl Engine<'_> {
                 });
             }
             _ => {
+                // Issued in program order: after every compute before it in the list (in a
+                // lowered list that is the stage's last weight-gradient compute; a deferred
+                // reduction, Megatron-LM's way, waits for the whole backward).
                 let ready = if st.wgrad_end[s].is_nan() {
-                    0.0
+                    st.compute_free
                 } else {
-                    st.wgrad_end[s]
+                    st.wgrad_end[s].max(st.compute_free)
                 };
                 let start = st.dp_free.max(ready);
                 let end = start + duration(self.measured, a, c.reduce[s]);
@@ -384,60 +388,6 @@ impl Engine<'_> {
             }
         })
     }
-}
-
-/// Check that the schedule is in range, lowered, and lowered for `cfg`'s ZeRO level.
-fn check_schedule(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<(), SimError> {
-    let (n, stages, mbs) = (
-        schedule.num_ranks(),
-        schedule.num_stages(),
-        schedule.microbatches,
-    );
-    let bad = |msg: String| Err(SimError::Schedule(msg));
-    if n == 0 || stages == 0 || mbs == 0 {
-        return bad("the schedule is empty (no ranks, stages or micro-batches)".into());
-    }
-    if let Some(&r) = schedule.stage_ranks.iter().find(|&&r| r >= n) {
-        return bad(format!(
-            "the placement names rank {r} but there are {n} ranks"
-        ));
-    }
-    for (rank, list) in schedule.ranks.iter().enumerate() {
-        for a in list {
-            if a.stage >= stages || a.microbatch.is_some_and(|m| m >= mbs) {
-                return bad(format!(
-                    "rank {rank} has {a}, outside {stages} stages × {mbs} micro-batches"
-                ));
-            }
-            if schedule.stage_ranks[a.stage] != rank {
-                return bad(format!(
-                    "rank {rank} has {a}, but stage {} lives on rank {}",
-                    a.stage, schedule.stage_ranks[a.stage]
-                ));
-            }
-        }
-    }
-    let crosses = schedule.stage_ranks.windows(2).any(|w| w[0] != w[1]);
-    if crosses && !schedule.has_p2p() {
-        return bad("the schedule has no SEND/RECV actions; lower it with lower_p2p first".into());
-    }
-    let all = || schedule.ranks.iter().flatten();
-    let unshards = all().any(|a| a.kind == ActionKind::Unshard);
-    let reduces = all().any(|a| a.kind == ActionKind::ReduceGrad);
-    if (cfg.zero == ZeroLevel::Zero0) == unshards {
-        return bad(format!(
-            "the schedule {} UNSHARD actions but the configuration says ZeRO-{}; lower it with \
-             lower_data_parallel at the same level",
-            if unshards { "has" } else { "has no" },
-            cfg.zero.number()
-        ));
-    }
-    if !reduces && (cfg.dp > 1 || cfg.zero != ZeroLevel::Zero0) {
-        return bad(
-            "the schedule has no REDUCE_GRAD actions; lower it with lower_data_parallel".into(),
-        );
-    }
-    Ok(())
 }
 
 /// Simulate one optimizer step of a lowered schedule (see [`crate::sim`] for the semantics).
@@ -478,29 +428,7 @@ pub fn simulate_costed(
         schedule.num_stages(),
         schedule.microbatches,
     );
-    let per_stage = [
-        ("forward", costs.forward.len()),
-        ("backward", costs.backward.len()),
-        ("backward_input", costs.backward_input.len()),
-        ("backward_weight", costs.backward_weight.len()),
-        ("message_bytes", costs.message_bytes.len()),
-        ("transfer", costs.transfer.len()),
-        ("gather", costs.gather.len()),
-        ("reduce", costs.reduce.len()),
-        ("parameters", costs.parameters.len()),
-        ("activation_bytes", costs.activation_bytes.len()),
-    ];
-    if let Some((name, len)) = per_stage.iter().find(|&&(_, len)| len != stages) {
-        return Err(SimError::Config(format!(
-            "cost table field `{name}` has {len} entries but the schedule has {stages} stages"
-        )));
-    }
-    if costs.optimizer.len() != n {
-        return Err(SimError::Config(format!(
-            "cost table field `optimizer` has {} entries but the schedule has {n} ranks",
-            costs.optimizer.len()
-        )));
-    }
+    check_costs(costs, stages, n)?;
     let slots = stages * mbs;
     let zero2 = cfg.zero >= ZeroLevel::Zero2;
     let mut engine = Engine {
@@ -622,6 +550,7 @@ fn finish(
         all_gathers: Vec::with_capacity(n),
         reduce_scatters: Vec::with_capacity(n),
         trace: Vec::with_capacity(n),
+        memory: Vec::with_capacity(n),
     };
     for (r, mut st) in ranks.into_iter().enumerate() {
         // The optimizer waits for every reduction; that wait is exposed data-parallel time.
@@ -643,6 +572,10 @@ fn finish(
         let weights = static_weight_elements(local_stages[r].iter().copied(), cfg.zero, cfg.dp);
         out.peak_weight_bytes
             .push(weights * cfg.dtype.bytes() + st.weights.peak());
+        out.memory.push(MemoryLog {
+            static_bytes: fixed,
+            changes: st.memory.into_changes(),
+        });
         out.exposed_p2p_per_rank.push(st.exposed_p2p);
         out.exposed_dp_per_rank.push(st.exposed_dp);
         out.all_gathers.push(st.gathers);

@@ -78,15 +78,21 @@ impl Ledger {
     }
 
     /// The maximum of the running sum. At equal times frees go first: memory released at t
-    /// can be reused by an allocation at t (a caching allocator does exactly that).
-    pub fn peak(mut self) -> u64 {
+    /// can be reused by an allocation at t (a caching allocator does exactly that). Sorts the
+    /// log in that order, so [`Ledger::into_changes`] afterwards returns it sorted.
+    pub fn peak(&mut self) -> u64 {
         self.events
             .sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         let (mut live, mut peak) = (0i64, 0i64);
-        for (_, delta) in self.events {
+        for &(_, delta) in &self.events {
             live += delta;
             peak = peak.max(live);
         }
         peak.max(0) as u64
+    }
+
+    /// The logged (time, signed amount) changes.
+    pub fn into_changes(self) -> Vec<(f64, i64)> {
+        self.events
     }
 }

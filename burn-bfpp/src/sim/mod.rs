@@ -19,8 +19,9 @@
 //!   only marks the arrival (links are full duplex, so receives do not queue behind sends).
 //! - **dp**: `UNSHARD` and `REDUCE_GRAD` in list order. An `UNSHARD` may prefetch as soon as
 //!   the stream is free, but not before the oldest unclaimed `RESHARD` preceding it in the list
-//!   (the buffer it reuses must be free); a `REDUCE_GRAD` starts after the stage's preceding
-//!   backward computes.
+//!   (the buffer it reuses must be free); a `REDUCE_GRAD` is issued in program order: it
+//!   starts after every compute that precedes it in the list (for the lowering's placement,
+//!   right after the stage's last backward, that is the stage's own gradients being ready).
 //!
 //! After the last compute and every `REDUCE_GRAD`, the optimizer step runs on the compute
 //! stream for (2·optimizer state + gradient + weight bytes of the rank's shard) / HBM
@@ -37,13 +38,41 @@
 //! a gather or for a gradient buffer. The wait between the last compute and the last
 //! `REDUCE_GRAD`'s end also counts as exposed dp. Reported values are the maximum over ranks.
 //! The rest of a rank's idle time is pipeline bubble.
+//!
+//! # Memory over time
+//! [`SimResult::memory`] holds, per rank, the static training state and the log of every
+//! allocation and free the engine made (gathered weights, gradient buffers, activations,
+//! messages); its running maximum is `peak_memory_bytes`, and `viz::memory_svg` draws it.
+//!
+//! # Strategies: bfpp against Megatron-LM
+//! The paper compares two ways of running data parallelism around a pipeline; both are
+//! lowering choices over the same lists ([`Strategy`], [`build_schedule`]), not special cases
+//! in the engine:
+//! - **bfpp**: the lowering of [`lower_data_parallel`](crate::schedule::lower_data_parallel)
+//!   — each stage's gradients are reduced right after its last backward, overlapping the
+//!   backward of the rank's other stages, and (ZeRO-3) its weights gathered one compute block
+//!   ahead. With the breadth-first schedule only about 1/V of the reduction is exposed.
+//! - **megatron**: Megatron-LM's distributed optimizer, ZeRO-1, with a 1F1B or interleaved
+//!   schedule and tensor parallelism inside a node. [`megatron_collectives`] moves every
+//!   `REDUCE_GRAD` after the rank's last backward — the engine issues collectives in program
+//!   order, so the reductions then wait for the whole backward and are exposed — and every
+//!   `UNSHARD` (the parameter all-gather after the optimizer step) before the first forward,
+//!   in an order that makes that forward wait for all of them.
+//!
+//! Tensor parallelism exists only here, as a cost: compute and memory ÷ T plus two
+//! all-reduces of the block output per layer in forward and in backward, on the NVLink ring
+//! when the group fits in a node.
 
+mod check;
 mod cost;
 mod engine;
 mod hardware;
 mod memory;
 mod model;
 mod result;
+mod strategy;
+#[cfg(test)]
+mod strategy_tests;
 #[cfg(test)]
 mod tests;
 
@@ -54,8 +83,10 @@ use crate::schedule::{ScheduleError, ZeroLevel};
 pub use cost::{CostTable, Topology};
 pub use engine::{simulate, simulate_costed, ActionDurations};
 pub use hardware::{HardwareConfig, HARDWARE_PRESETS};
+pub use memory::static_bytes;
 pub use model::{Dtype, GptShape, ModelConfig, UnitModel, MODEL_PRESETS};
-pub use result::{Interval, RankTrace, SimResult, TraceItem, JSON_KEYS};
+pub use result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem, JSON_KEYS};
+pub use strategy::{build_schedule, megatron_collectives, Strategy};
 
 /// Everything that can go wrong configuring or running a simulation.
 #[derive(Debug, thiserror::Error)]

@@ -40,6 +40,21 @@ pub struct RankTrace {
     pub dp: Vec<Interval>,
 }
 
+/// Memory one rank holds over the step: a constant part and a log of changes on top of it.
+///
+/// The bytes held at time `t` are `static_bytes` plus the sum of the changes at or before `t`
+/// (at equal times frees count first, as in the peak), so the running maximum of that step
+/// function is the rank's `peak_memory_bytes`. `viz::MemorySeries::from_deltas` turns it into
+/// a curve.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryLog {
+    /// Training state held all step: weights, gradients and optimizer state by ZeRO level.
+    pub static_bytes: u64,
+    /// `(time, signed bytes)`: gathered weights, gradient buffers, activations and messages
+    /// allocated (positive) or freed (negative) at `time`, sorted by time, frees first.
+    pub changes: Vec<(f64, i64)>,
+}
+
 /// The outcome of simulating one optimizer step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SimResult {
@@ -87,6 +102,8 @@ pub struct SimResult {
     pub reduce_scatters: Vec<usize>,
     /// Per-rank, per-stream busy intervals.
     pub trace: Vec<RankTrace>,
+    /// Per-rank memory over time.
+    pub memory: Vec<MemoryLog>,
 }
 
 /// The keys of [`SimResult::to_json`], in order.

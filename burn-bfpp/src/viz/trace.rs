@@ -311,6 +311,23 @@ impl MemorySeries {
         MemorySeries { rank, points }
     }
 
+    /// Every rank's memory over a simulated step: the static training state plus the
+    /// simulator's allocation log, from time 0; each curve's maximum is the rank's
+    /// `peak_memory_bytes`.
+    pub fn from_sim(result: &SimResult) -> Vec<MemorySeries> {
+        result
+            .memory
+            .iter()
+            .enumerate()
+            .map(|(rank, log)| {
+                let mut changes = Vec::with_capacity(log.changes.len() + 1);
+                changes.push((0.0, 0));
+                changes.extend_from_slice(&log.changes);
+                MemorySeries::from_deltas(rank, log.static_bytes, &changes)
+            })
+            .collect()
+    }
+
     /// The highest value of the series (0 when empty).
     pub fn peak(&self) -> u64 {
         self.points.iter().map(|p| p.1).max().unwrap_or(0)
