@@ -1,0 +1,1 @@
+//! CubeCL kernels and their `FusedOps` wiring for the CubeCL backends.
