@@ -1,0 +1,1 @@
+//! FlashAttention-2 backward kernels (placeholder).
