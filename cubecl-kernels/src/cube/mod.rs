@@ -75,6 +75,6 @@ where
         key_padding_mask: Option<BoolTensor<Self>>,
         causal: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        attention::backward::<Self>(q, k, v, out, lse, dout, key_padding_mask, causal)
+        attention::backward::<Self, R>(q, k, v, out, lse, dout, key_padding_mask, causal)
     }
 }
