@@ -7,7 +7,7 @@ mod common;
 
 use burn::backend::wgpu::{Wgpu, WgpuDevice};
 use burn::tensor::{Tensor, TensorData};
-use common::{attn_case, check_attention, Rng};
+use common::{attn_case, check_attention, check_linear_ce, Rng};
 
 const TOL: f64 = 1e-4;
 
@@ -46,5 +46,19 @@ fn flash_attention_matches_f64_oracle() {
     ] {
         let c = attn_case(&mut rng, shape, causal, masked);
         check_attention::<Wgpu>(&dev, &mut rng, &c, TOL);
+    }
+}
+
+#[test]
+fn linear_cross_entropy_matches_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("wgpu linear_cross_entropy");
+    // [tokens, hidden, vocab]: none a multiple of the 32-wide tiles except where noted.
+    for (shape, all_ignored) in [
+        ([33, 40, 70], false),
+        ([45, 17, 257], false),
+        ([9, 16, 10], true),
+    ] {
+        check_linear_ce::<Wgpu>(&dev, &mut rng, shape, all_ignored, TOL);
     }
 }

@@ -5,12 +5,14 @@
 //! kernel yet fall back to the composed reference of [`crate::reference`].
 
 mod attention;
+mod cross_entropy;
 mod flash_bwd;
 mod flash_fwd;
+mod linear_ce;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::ops::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::{empty_device_dtype, full_device_dtype};
 use burn_cubecl::tensor::CubeTensor;
@@ -76,5 +78,24 @@ where
         causal: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         attention::backward::<Self, R>(q, k, v, out, lse, dout, key_padding_mask, causal)
+    }
+
+    fn fused_linear_cross_entropy(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore_index: i64,
+    ) -> FloatTensor<Self> {
+        linear_ce::forward::<Self, R>(h, w, targets, ignore_index)
+    }
+
+    fn fused_linear_cross_entropy_backward(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore_index: i64,
+        dloss: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        linear_ce::backward::<Self, R>(h, w, targets, ignore_index, dloss)
     }
 }
