@@ -42,3 +42,69 @@ fn linear_cross_entropy_matches_f64_oracle() {
         check_linear_ce::<Flex>(&Default::default(), &mut rng, shape, all_ignored, TOL);
     }
 }
+
+#[test]
+fn shape_errors_are_reported_not_panicked() {
+    use burn::tensor::{Int, Tensor};
+    use cubecl_kernels::FusedError;
+    let dev = Default::default();
+    let t4 = |s: [usize; 4]| Tensor::<Flex, 4>::zeros(s, &dev);
+    let err = cubecl_kernels::flash_attention(
+        t4([1, 2, 8, 24]),
+        t4([1, 2, 8, 24]),
+        t4([1, 2, 8, 24]),
+        None,
+        false,
+    )
+    .err();
+    assert_eq!(err, Some(FusedError::UnsupportedHeadDim(24)));
+    let err = cubecl_kernels::flash_attention(
+        t4([1, 2, 8, 16]),
+        t4([1, 2, 9, 16]),
+        t4([1, 2, 8, 16]),
+        None,
+        true,
+    )
+    .err();
+    assert!(
+        matches!(err, Some(FusedError::ShapeMismatch { what: "v vs k", .. })),
+        "{err:?}"
+    );
+    let err = cubecl_kernels::flash_attention(
+        t4([1, 2, 0, 16]),
+        t4([1, 2, 4, 16]),
+        t4([1, 2, 4, 16]),
+        None,
+        true,
+    )
+    .err();
+    assert!(matches!(err, Some(FusedError::Empty { .. })), "{err:?}");
+    let h = Tensor::<Flex, 2>::zeros([4, 8], &dev);
+    let w = Tensor::<Flex, 2>::zeros([7, 10], &dev);
+    let t = Tensor::<Flex, 1, Int>::zeros([4], &dev);
+    let err = cubecl_kernels::linear_cross_entropy(h, w, t, -100).err();
+    assert!(
+        matches!(
+            err,
+            Some(FusedError::ShapeMismatch {
+                op: "linear_cross_entropy",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let x = Tensor::<Flex, 2>::zeros([4, 8], &dev);
+    let w = Tensor::<Flex, 2>::zeros([8, 10], &dev);
+    let b = Tensor::<Flex, 1>::zeros([9], &dev);
+    let err = cubecl_kernels::linear_gelu(x, w, b).err();
+    assert!(
+        matches!(
+            err,
+            Some(FusedError::ShapeMismatch {
+                what: "b [d_out]",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}
