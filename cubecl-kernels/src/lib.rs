@@ -1,6 +1,24 @@
-//! Fused CubeCL kernels for burn-bfpp: flash attention, fused matmul epilogues and fused
-//! linear cross-entropy, exposed to Burn through backend-extension ops with autodiff.
+//! Fused CubeCL kernels for burn-bfpp: flash attention, fused linear + bias + GELU and fused
+//! linear cross-entropy, exposed to Burn through the backend-extension trait [`FusedOps`].
 //!
-//! This crate is a skeleton until the kernels issue lands: it pins CubeCL (`=0.10.0`, the
-//! version Burn 0.21 uses) and carries the `wgpu` and `cuda` features so the workspace's
-//! feature matrix and CI already build it.
+//! * Every backend gets the ops through composed defaults ([`reference`]); Flex (the CPU
+//!   backend) uses them as they are.
+//! * The CubeCL backends (wgpu, CUDA) override the ops with kernels ([`cube`]).
+//! * `Autodiff<B>` registers the backward methods as gradients, so training uses them.
+//!
+//! Call the ops through the shape-checked functions in [`api`].
+
+pub mod api;
+mod autodiff;
+pub mod cube;
+mod error;
+mod ops;
+pub mod reference;
+
+pub use api::{flash_attention, linear_cross_entropy, linear_gelu};
+pub use error::FusedError;
+pub use ops::FusedOps;
+
+/// Largest attention head dimension the kernels support (each thread keeps a query or key
+/// row and its accumulator in registers sized at compile time).
+pub const MAX_HEAD_DIM: usize = 128;

@@ -1,0 +1,257 @@
+//! Shared test harness: fresh random inputs, the float64 host oracle and generic checks that
+//! run any `FusedOps` backend (forward through `B`, gradients through `Autodiff<B>`).
+#![allow(dead_code)]
+
+pub mod host;
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use burn::backend::Autodiff;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use cubecl_kernels::FusedOps;
+
+/// splitmix64: tiny, good enough for test inputs, and seeded from the clock so every run
+/// draws fresh inputs; the seed is printed so a failure can be replayed with `SEED=...`.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn fresh(test: &str) -> Self {
+        let seed = std::env::var("SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            });
+        eprintln!("{test}: SEED={seed}");
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+/// Fails unless `got` matches `want` to `tol` relative to the reference's largest magnitude
+/// (`max |got − want| / max(max |want|, 1e-3)`), and fails on any NaN (unwritten poisoned
+/// outputs). The 1e-3 floor keeps an exactly-zero reference (e.g. dQ with a single key) from
+/// turning f32 rounding noise into an infinite relative error.
+pub fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0.0f64, |a, w| a.max(w.abs())).max(1e-3);
+    let mut worst = (0.0f64, 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: element {i} is {g} (want {w})");
+        let e = (*g as f64 - w).abs() / scale;
+        if e > worst.0 {
+            worst = (e, i);
+        }
+    }
+    let i = worst.1;
+    assert!(
+        worst.0 <= tol,
+        "{what}: relative error {:.3e} > {tol:.0e} at element {i} (got {}, want {})",
+        worst.0,
+        got[i],
+        want[i]
+    );
+}
+
+pub fn to_vec<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("f32 readback")
+}
+
+/// Random attention case: shapes as given, mask with ~20% padded keys when `masked`.
+pub fn attn_case(rng: &mut Rng, shape: [usize; 5], causal: bool, masked: bool) -> host::AttnCase {
+    let [b, h, sq, sk, d] = shape;
+    let mask = masked.then(|| (0..b * sk).map(|_| rng.below(5) == 0).collect());
+    host::AttnCase {
+        b,
+        h,
+        sq,
+        sk,
+        d,
+        causal,
+        mask,
+    }
+}
+
+/// Runs attention forward and backward on `B` (through `Autodiff<B>`) with fresh inputs and
+/// checks output, log-sum-exp and all three gradients against the float64 oracle.
+pub fn check_attention<B: FusedOps>(
+    device: &B::Device,
+    rng: &mut Rng,
+    c: &host::AttnCase,
+    tol: f64,
+) {
+    let (qn, kn) = (c.b * c.h * c.sq * c.d, c.b * c.h * c.sk * c.d);
+    let (q, k, v, g) = (
+        rng.vec(qn, 1.5),
+        rng.vec(kn, 1.5),
+        rng.vec(kn, 1.0),
+        rng.vec(qn, 1.0),
+    );
+    let want = host::attention(c, &q, &k, &v, &g);
+    let label = format!(
+        "attention b{} h{} sq{} sk{} d{} causal={} mask={}",
+        c.b,
+        c.h,
+        c.sq,
+        c.sk,
+        c.d,
+        c.causal,
+        c.mask.is_some()
+    );
+
+    type A<B> = Autodiff<B>;
+    let t4 = |x: &[f32], s: usize| {
+        Tensor::<A<B>, 4>::from_data(TensorData::new(x.to_vec(), [c.b, c.h, s, c.d]), device)
+    };
+    let (qt, kt, vt) = (
+        t4(&q, c.sq).require_grad(),
+        t4(&k, c.sk).require_grad(),
+        t4(&v, c.sk).require_grad(),
+    );
+    let mask = c.mask.as_ref().map(|m| {
+        Tensor::<A<B>, 2, Bool>::from_data(TensorData::new(m.clone(), [c.b, c.sk]), device)
+    });
+    let (out, lse) =
+        cubecl_kernels::flash_attention(qt.clone(), kt.clone(), vt.clone(), mask, c.causal)
+            .expect("valid shapes");
+    let grads = (out.clone() * t4(&g, c.sq)).sum().backward();
+    assert_close(&format!("{label}: out"), &to_vec(out), &want.out, tol);
+    assert_close(&format!("{label}: lse"), &to_vec(lse), &want.lse, tol);
+    assert_close(
+        &format!("{label}: dq"),
+        &to_vec(qt.grad(&grads).expect("dq")),
+        &want.dq,
+        tol,
+    );
+    assert_close(
+        &format!("{label}: dk"),
+        &to_vec(kt.grad(&grads).expect("dk")),
+        &want.dk,
+        tol,
+    );
+    assert_close(
+        &format!("{label}: dv"),
+        &to_vec(vt.grad(&grads).expect("dv")),
+        &want.dv,
+        tol,
+    );
+}
+
+/// `gelu(x·W + b)` forward and `(dx, dW, db)` through `Autodiff<B>` against the oracle.
+pub fn check_linear_gelu<B: FusedOps>(
+    device: &B::Device,
+    rng: &mut Rng,
+    [n, din, dout]: [usize; 3],
+    tol: f64,
+) {
+    let (x, w, b) = (
+        rng.vec(n * din, 1.0),
+        rng.vec(din * dout, 0.5),
+        rng.vec(dout, 0.5),
+    );
+    let dy = rng.vec(n * dout, 1.0);
+    let (y, dx, dw, db) = host::linear_gelu(&x, &w, &b, &dy, n, din, dout);
+    let label = format!("linear_gelu n{n} din{din} dout{dout}");
+    let xt =
+        Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(x, [n, din]), device).require_grad();
+    let wt =
+        Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(w, [din, dout]), device).require_grad();
+    let bt = Tensor::<Autodiff<B>, 1>::from_data(TensorData::new(b, [dout]), device).require_grad();
+    let out =
+        cubecl_kernels::linear_gelu(xt.clone(), wt.clone(), bt.clone()).expect("valid shapes");
+    let dyt = Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(dy, [n, dout]), device);
+    let grads = (out.clone() * dyt).sum().backward();
+    assert_close(&format!("{label}: y"), &to_vec(out), &y, tol);
+    assert_close(
+        &format!("{label}: dx"),
+        &to_vec(xt.grad(&grads).expect("dx")),
+        &dx,
+        tol,
+    );
+    assert_close(
+        &format!("{label}: dw"),
+        &to_vec(wt.grad(&grads).expect("dw")),
+        &dw,
+        tol,
+    );
+    assert_close(
+        &format!("{label}: db"),
+        &to_vec(bt.grad(&grads).expect("db")),
+        &db,
+        tol,
+    );
+}
+
+/// Fused linear cross-entropy loss and `(dh, dW)` through `Autodiff<B>` against the oracle;
+/// about a quarter of the targets are `ignore_index` (all of them when `all_ignored`).
+pub fn check_linear_ce<B: FusedOps>(
+    device: &B::Device,
+    rng: &mut Rng,
+    [n, hidden, vocab]: [usize; 3],
+    all_ignored: bool,
+    tol: f64,
+) {
+    const IGNORE: i64 = -100;
+    let (h, w) = (rng.vec(n * hidden, 1.0), rng.vec(hidden * vocab, 1.0));
+    let targets: Vec<i64> = (0..n)
+        .map(|_| {
+            if all_ignored || rng.below(4) == 0 {
+                IGNORE
+            } else {
+                rng.below(vocab) as i64
+            }
+        })
+        .collect();
+    let (loss, dh, dw) = host::linear_cross_entropy(&h, &w, &targets, IGNORE, hidden, vocab);
+    let label =
+        format!("linear_cross_entropy n{n} hidden{hidden} vocab{vocab} all_ignored={all_ignored}");
+    let ht =
+        Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(h, [n, hidden]), device).require_grad();
+    let wt = Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(w, [hidden, vocab]), device)
+        .require_grad();
+    let tt = Tensor::<Autodiff<B>, 1, Int>::from_data(TensorData::new(targets, [n]), device);
+    let out = cubecl_kernels::linear_cross_entropy(ht.clone(), wt.clone(), tt, IGNORE)
+        .expect("valid shapes");
+    let grads = out.clone().sum().backward();
+    // The loss is a single number: compare it with a plain relative error.
+    let got = to_vec(out);
+    assert_eq!(got.len(), 1, "{label}: loss is one element");
+    assert_close(&format!("{label}: loss"), &got, &[loss], tol);
+    // All ignored: the gradients are exactly zero, so a scale-relative check is meaningless;
+    // demand zeros instead.
+    let (gh, gw) = (
+        to_vec(ht.grad(&grads).expect("dh")),
+        to_vec(wt.grad(&grads).expect("dw")),
+    );
+    if all_ignored {
+        assert!(
+            gh.iter().chain(&gw).all(|x| *x == 0.0),
+            "{label}: gradients must be zero"
+        );
+    } else {
+        assert_close(&format!("{label}: dh"), &gh, &dh, tol);
+        assert_close(&format!("{label}: dw"), &gw, &dw, tol);
+    }
+}

@@ -1,0 +1,45 @@
+//! The CubeCL kernels on the CUDA backend (run by `scripts/gpu-check.sh` on a GPU machine):
+//! same oracle, shapes and NaN poisoning as the wgpu tests, plus the production shape class
+//! (head dim 128, sequence 2048 is left to the benchmarks).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use burn::backend::cuda::{Cuda, CudaDevice};
+use common::{attn_case, check_attention, check_linear_ce, Rng};
+
+const TOL: f64 = 1e-4;
+
+fn device() -> CudaDevice {
+    cubecl_kernels::cube::set_poison_outputs(true);
+    CudaDevice::default()
+}
+
+#[test]
+fn cuda_flash_attention_matches_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("cuda flash_attention");
+    for (shape, causal, masked) in [
+        ([2, 2, 33, 33, 16], true, false),
+        ([1, 3, 45, 70, 32], false, true),
+        ([2, 1, 64, 64, 64], true, true),
+        ([1, 2, 200, 200, 128], true, false),
+        ([1, 1, 19, 37, 128], false, true),
+    ] {
+        let c = attn_case(&mut rng, shape, causal, masked);
+        check_attention::<Cuda>(&dev, &mut rng, &c, TOL);
+    }
+}
+
+#[test]
+fn cuda_linear_cross_entropy_matches_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("cuda linear_cross_entropy");
+    for (shape, all_ignored) in [
+        ([33, 40, 70], false),
+        ([100, 64, 1000], false),
+        ([9, 16, 10], true),
+    ] {
+        check_linear_ce::<Cuda>(&dev, &mut rng, shape, all_ignored, TOL);
+    }
+}

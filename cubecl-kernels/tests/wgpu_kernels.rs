@@ -1,0 +1,64 @@
+//! The CubeCL kernels on the wgpu backend over Mesa's software Vulkan device (lavapipe):
+//! fresh random inputs, outputs NaN-poisoned before every launch, forward and all gradients
+//! against the float64 host oracle. Without a Vulkan adapter these tests fail (never skip).
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use burn::backend::wgpu::{Wgpu, WgpuDevice};
+use burn::tensor::{Tensor, TensorData};
+use common::{attn_case, check_attention, check_linear_ce, Rng};
+
+const TOL: f64 = 1e-4;
+
+/// The CPU adapter, after proving it works; panics with install instructions otherwise.
+fn device() -> WgpuDevice {
+    cubecl_kernels::cube::set_poison_outputs(true);
+    let device = WgpuDevice::Cpu;
+    let probe = std::panic::catch_unwind(|| {
+        let t =
+            Tensor::<Wgpu, 1>::from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &WgpuDevice::Cpu);
+        t.sum().into_data().to_vec::<f32>()
+    });
+    match probe {
+        Ok(Ok(v)) if v == [3.0] => device,
+        other => panic!(
+            "no working CPU Vulkan adapter for the wgpu kernel tests ({other:?}); install Mesa's \
+             software Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1"
+        ),
+    }
+}
+
+#[test]
+fn flash_attention_matches_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("wgpu flash_attention");
+    // [batch, heads, seq_q, seq_k, head_dim]: lengths on, below and above the 32-row query
+    // tile and the 16/32-key tiles, square and not, every supported-size class of head dim.
+    for (shape, causal, masked) in [
+        ([1, 1, 1, 1, 16], false, false),
+        ([2, 2, 33, 33, 16], true, false),
+        ([1, 3, 45, 70, 32], false, true),
+        ([2, 1, 64, 64, 64], true, true),
+        ([1, 2, 31, 17, 48], false, false),
+        ([1, 1, 50, 50, 128], true, false),
+        ([1, 1, 19, 37, 128], false, true),
+    ] {
+        let c = attn_case(&mut rng, shape, causal, masked);
+        check_attention::<Wgpu>(&dev, &mut rng, &c, TOL);
+    }
+}
+
+#[test]
+fn linear_cross_entropy_matches_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("wgpu linear_cross_entropy");
+    // [tokens, hidden, vocab]: none a multiple of the 32-wide tiles except where noted.
+    for (shape, all_ignored) in [
+        ([33, 40, 70], false),
+        ([45, 17, 257], false),
+        ([9, 16, 10], true),
+    ] {
+        check_linear_ce::<Wgpu>(&dev, &mut rng, shape, all_ignored, TOL);
+    }
+}
