@@ -9,6 +9,8 @@
 
 mod error;
 mod executor;
+#[cfg(feature = "mpi")]
+mod multiprocess;
 mod rank;
 mod shard;
 
@@ -18,6 +20,8 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::AutodiffBackend;
 
 pub use error::EngineError;
+#[cfg(feature = "mpi")]
+pub use multiprocess::train_mpi;
 pub use rank::{stages_for_rank, train_rank, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
 
