@@ -42,6 +42,9 @@ enum Command {
     Schedule(ScheduleArgs),
     /// Check a schedule CSV (one line per rank, as written by `bfpp` or PyTorch pipelining).
     Validate(ValidateArgs),
+    /// Start N local processes of this binary under mpirun, one rank each:
+    /// `bfpp launch --nproc 4 -- train --pp 2 --dp 2` (needs a build with --features mpi).
+    Launch(cli::launch::LaunchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -148,6 +151,7 @@ fn main() -> ExitCode {
         Command::Train(args) => cli::train::run(&args),
         Command::Schedule(args) => run_schedule(&args),
         Command::Validate(args) => run_validate(&args),
+        Command::Launch(args) => cli::launch::run(&args).map_err(CliError::from),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
