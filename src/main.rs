@@ -50,6 +50,9 @@ enum Command {
     Plan(Box<cli::plan::PlanArgs>),
     /// The best layout of each family: breadth-first, depth-first, 1f1b, gpipe, megatron.
     Compare(Box<cli::plan::CompareArgs>),
+    /// Start N local processes of this binary under mpirun, one rank each:
+    /// `bfpp launch --nproc 4 -- train --pp 2 --dp 2` (needs a build with --features mpi).
+    Launch(cli::launch::LaunchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -159,6 +162,7 @@ fn main() -> ExitCode {
         Command::Simulate(args) => cli::simulate::run(&args),
         Command::Plan(args) => cli::plan::run_plan(&args),
         Command::Compare(args) => cli::plan::run_compare(&args),
+        Command::Launch(args) => cli::launch::run(&args).map_err(CliError::from),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

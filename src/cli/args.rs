@@ -106,6 +106,10 @@ pub struct TrainArgs {
     /// Seconds a rank waits on a peer before the run fails.
     #[arg(long, value_name = "SECS", help_heading = "Run")]
     pub comm_timeout: Option<f64>,
+    /// Where the ranks live: MPI processes when started by mpirun/srun (auto), threads of
+    /// this process (local), or MPI processes (mpi; needs a build with --features mpi).
+    #[arg(long, value_enum, default_value_t, help_heading = "Run")]
+    pub comm: super::multiprocess::CommMode,
     /// Folder for metrics.jsonl, trace.json and timeline.svg.
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub out_dir: Option<PathBuf>,

@@ -7,6 +7,9 @@
 pub mod args;
 #[cfg(feature = "flex")]
 pub mod config;
+pub mod launch;
+#[cfg(feature = "flex")]
+pub mod multiprocess;
 pub mod plan;
 #[cfg(feature = "flex")]
 pub mod report;
@@ -73,6 +76,9 @@ pub enum CliError {
     #[cfg(feature = "flex")]
     #[error(transparent)]
     Train(#[from] train::TrainError),
+    /// `bfpp launch` failed.
+    #[error(transparent)]
+    Launch(#[from] launch::LaunchError),
     /// Standard output could not be written.
     #[error("cannot write to standard output: {0}")]
     Stdout(io::Error),

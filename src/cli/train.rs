@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use burn::backend::{Autodiff, Flex};
 use burn_bfpp::data::{load_corpus, Batcher, DataError};
-use burn_bfpp::engine::{train_local, EngineError, Fault};
+use burn_bfpp::engine::{EngineError, Fault};
 use burn_bfpp::model::{autodiff_lock, ModelError};
 use burn_bfpp::schedule::ScheduleError;
 
@@ -158,7 +158,11 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
     })?;
     let steps = cfg.run.steps;
     let tokens_per_step = layout.global_batch() * batch.seq_len;
-    let show = !(args.json || args.quiet);
+    // Under MPI only world rank 0 prints the header and summary, and only the rank that
+    // learns the loss draws the progress bar.
+    let ranks = super::multiprocess::Ranks::join(args.comm, &engine)?;
+    let root = ranks.is_root();
+    let show = !(args.json || args.quiet) && root;
     let header = Header {
         cfg: &cfg,
         plan_layout: &layout,
@@ -173,7 +177,7 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         steps,
         tokens_per_step,
         &out_dir.join(report::METRICS_FILE),
-        show,
+        !(args.json || args.quiet) && ranks.reports_loss(&engine)?,
     )?;
     let activation = [layout.micro_batch_size, batch.seq_len, cfg.model.hidden];
     // The engine numbers steps from 1, the batcher from 0. `plan` checked the layout against
@@ -188,9 +192,12 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         let epochs = batcher.epochs_started((r.step - 1) as u64);
         progress.step(r, epochs);
     };
-    let outcome = train_local(&model, &engine, steps, activation, batch_of, on_step);
+    let outcome = ranks.train(&model, &engine, steps, activation, batch_of, on_step);
     progress.finish();
-    let outcome = outcome?;
+    let Some(outcome) = outcome? else {
+        // Another MPI rank than 0: rank 0 reports the run.
+        return Ok(None);
+    };
     progress.take_error()?;
     let files = report::write_timeline(out_dir, &outcome.timelines)?;
     let summary = report::Summary::new(

@@ -33,13 +33,20 @@
 //!
 //! [`LocalComm`] implements the trait for ranks that are threads of one process, each with its
 //! own Burn device; [`run_ranks`] runs one closure per rank on such a world and turns failures
-//! and panics into one error naming the rank that caused them.
+//! and panics into one error naming the rank that caused them. `MpiComm` (feature `mpi`)
+//! implements it for ranks that are processes started by `mpirun`/`srun`, with the same
+//! semantics and bitwise the same results.
 
 mod error;
 mod host;
 mod local;
 mod mailbox;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod store;
 mod threads;
+#[cfg(feature = "mpi")]
+mod wire;
 
 #[cfg(test)]
 mod tests;
@@ -52,8 +59,11 @@ use std::time::Duration;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::{mpi_launch_env, MpiComm};
 pub use error::{CommError, RankError};
 pub use local::LocalComm;
+pub use store::{RendezvousEnv, StoreError, TcpStore};
 pub use threads::run_ranks;
 
 /// Which of a rank's two groups a collective runs over.

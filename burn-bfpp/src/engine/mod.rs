@@ -9,6 +9,8 @@
 
 mod error;
 mod executor;
+#[cfg(feature = "mpi")]
+mod multiprocess;
 mod profile;
 mod rank;
 mod shard;
@@ -19,6 +21,8 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::AutodiffBackend;
 
 pub use error::EngineError;
+#[cfg(feature = "mpi")]
+pub use multiprocess::train_mpi;
 pub use profile::StepProfile;
 pub use rank::{stages_for_rank, train_rank, RankOutcome, RankPlan};
 pub use shard::ShardLayout;

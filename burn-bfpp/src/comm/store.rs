@@ -1,0 +1,405 @@
+//! Rendezvous without MPI: the torchrun / Slurm environment and a minimal TCP key-value store
+//! on `MASTER_ADDR:MASTER_PORT`, through which ranks exchange small start-up values such as
+//! the NCCL unique id.
+//!
+//! World rank 0 serves the store (in a background thread) and is also a client of it; every
+//! rank [`set`](TcpStore::set)s and [`get`](TcpStore::get)s byte values by key, `get` waiting
+//! until the key exists or the timeout passes. Nothing is persistent and there is no
+//! authentication: the store lives for the start-up of one job on a trusted network, like
+//! torch's `TCPStore`.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Why a rendezvous failed; every message names the variable, address or key involved.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A launcher variable is missing or not a number.
+    #[error("rendezvous: {0}")]
+    Env(String),
+    /// The store could not be served or reached.
+    #[error("rendezvous store at {addr}: {source}")]
+    Io {
+        /// `host:port` of the store.
+        addr: String,
+        /// The I/O failure.
+        source: std::io::Error,
+    },
+    /// A key did not appear in time.
+    #[error(
+        "rendezvous store at {addr}: key `{key}` not set within {after:?} (did rank 0 start?)"
+    )]
+    Timeout {
+        /// `host:port` of the store.
+        addr: String,
+        /// The key waited for.
+        key: String,
+        /// How long this rank waited.
+        after: Duration,
+    },
+}
+
+/// This process's place in a job, from the launcher's environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RendezvousEnv {
+    /// World rank.
+    pub rank: usize,
+    /// Number of processes.
+    pub world_size: usize,
+    /// Rank among the processes of this node (selects the GPU).
+    pub local_rank: usize,
+    /// Host of the store (world rank 0's node).
+    pub master_addr: String,
+    /// Port of the store.
+    pub master_port: u16,
+}
+
+impl RendezvousEnv {
+    /// Reads torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or
+    /// Slurm's `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` (with `MASTER_ADDR` and
+    /// `MASTER_PORT` exported by the batch script); `None` when neither launcher set them.
+    pub fn from_env() -> Result<Option<Self>, StoreError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`from_env`](Self::from_env) over any variable lookup (tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, StoreError> {
+        let (rank_var, size_var, local_var) = if get("RANK").is_some() {
+            ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        } else if get("SLURM_PROCID").is_some() {
+            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        } else {
+            return Ok(None);
+        };
+        let number = |var: &str| -> Result<usize, StoreError> {
+            let text = get(var)
+                .ok_or_else(|| StoreError::Env(format!("{rank_var} is set but {var} is not")))?;
+            text.trim()
+                .parse()
+                .map_err(|_| StoreError::Env(format!("{var}=`{text}` is not a number")))
+        };
+        let rank = number(rank_var)?;
+        let world_size = number(size_var)?;
+        if rank >= world_size {
+            return Err(StoreError::Env(format!(
+                "{rank_var}={rank} is not below {size_var}={world_size}"
+            )));
+        }
+        let local_rank = if get(local_var).is_some() {
+            number(local_var)?
+        } else {
+            0
+        };
+        let master_addr = get("MASTER_ADDR")
+            .ok_or_else(|| StoreError::Env("MASTER_ADDR is not set (the host of rank 0)".into()))?;
+        let port = number("MASTER_PORT")?;
+        let master_port = u16::try_from(port)
+            .map_err(|_| StoreError::Env(format!("MASTER_PORT={port} is not a TCP port")))?;
+        Ok(Some(RendezvousEnv {
+            rank,
+            world_size,
+            local_rank,
+            master_addr,
+            master_port,
+        }))
+    }
+}
+
+type Table = Arc<Mutex<HashMap<String, Vec<u8>>>>;
+
+/// A client of the job's store; on world rank 0 also its server.
+pub struct TcpStore {
+    addr: String,
+    timeout: Duration,
+    server: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+}
+
+impl std::fmt::Debug for TcpStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpStore")
+            .field("addr", &self.addr)
+            .field("serving", &self.server.is_some())
+            .finish()
+    }
+}
+
+const OP_SET: u8 = 0;
+const OP_GET: u8 = 1;
+
+fn write_frame(s: &mut TcpStream, op: u8, key: &str, value: &[u8]) -> std::io::Result<()> {
+    let mut buf = vec![op];
+    buf.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    buf.extend_from_slice(key.as_bytes());
+    buf.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    buf.extend_from_slice(value);
+    s.write_all(&buf)
+}
+
+fn read_bytes(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let mut v = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut v)?;
+    Ok(v)
+}
+
+/// Serves one connection: a sequence of SET (answered with an empty value) and GET (answered
+/// with a found flag and the value) frames.
+fn serve(mut s: TcpStream, table: Table) -> std::io::Result<()> {
+    loop {
+        let mut op = [0u8; 1];
+        if s.read_exact(&mut op).is_err() {
+            return Ok(()); // client closed
+        }
+        let key = String::from_utf8_lossy(&read_bytes(&mut s)?).into_owned();
+        let value = read_bytes(&mut s)?;
+        let mut table = table.lock().unwrap_or_else(|p| p.into_inner());
+        match op[0] {
+            OP_SET => {
+                table.insert(key, value);
+                s.write_all(&[1])?;
+            }
+            _ => match table.get(&key) {
+                Some(v) => {
+                    s.write_all(&[1])?;
+                    s.write_all(&(v.len() as u32).to_le_bytes())?;
+                    s.write_all(v)?;
+                }
+                None => s.write_all(&[0])?,
+            },
+        }
+    }
+}
+
+impl TcpStore {
+    /// Joins the store of `env`'s job: rank 0 starts serving on `0.0.0.0:MASTER_PORT` first.
+    /// Every later call waits at most `timeout`.
+    pub fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, StoreError> {
+        let addr = format!("{}:{}", env.master_addr, env.master_port);
+        let server = if env.rank == 0 {
+            Some(Self::serve_on(
+                &format!("0.0.0.0:{}", env.master_port),
+                &addr,
+            )?)
+        } else {
+            None
+        };
+        Ok(TcpStore {
+            addr,
+            timeout,
+            server,
+        })
+    }
+
+    fn serve_on(bind: &str, addr: &str) -> Result<(Arc<AtomicBool>, JoinHandle<()>), StoreError> {
+        let io = |source| StoreError::Io {
+            addr: addr.to_string(),
+            source,
+        };
+        let listener = TcpListener::bind(bind).map_err(io)?;
+        // Non-blocking accept, so that dropping the store stops the thread.
+        listener.set_nonblocking(true).map_err(io)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let table: Table = Arc::default();
+        let flag = Arc::clone(&stop);
+        let handle = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((s, _)) => {
+                        let table = Arc::clone(&table);
+                        // Connections block; a broken one only ends its own thread.
+                        let _ = s.set_nonblocking(false);
+                        std::thread::spawn(move || serve(s, table));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Ok((stop, handle))
+    }
+
+    /// Opens a connection, retrying until the server is up or the timeout passes.
+    fn open(&self, key: &str) -> Result<TcpStream, StoreError> {
+        let start = Instant::now();
+        loop {
+            let addrs = self
+                .addr
+                .to_socket_addrs()
+                .map_err(|source| StoreError::Io {
+                    addr: self.addr.clone(),
+                    source,
+                })?;
+            let mut last = None;
+            for a in addrs {
+                match TcpStream::connect_timeout(&a, Duration::from_secs(1)) {
+                    Ok(s) => return Ok(s),
+                    Err(e) => last = Some(e),
+                }
+            }
+            if start.elapsed() >= self.timeout {
+                return Err(match last {
+                    Some(source) => StoreError::Io {
+                        addr: self.addr.clone(),
+                        source,
+                    },
+                    None => StoreError::Timeout {
+                        addr: self.addr.clone(),
+                        key: key.to_string(),
+                        after: start.elapsed(),
+                    },
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stores `value` under `key` (replacing an earlier value).
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let io = |source| StoreError::Io {
+            addr: self.addr.clone(),
+            source,
+        };
+        let mut s = self.open(key)?;
+        write_frame(&mut s, OP_SET, key, value).map_err(io)?;
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).map_err(io)
+    }
+
+    /// The value under `key`, waiting until some rank has set it.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let io = |source| StoreError::Io {
+            addr: self.addr.clone(),
+            source,
+        };
+        let start = Instant::now();
+        let mut s = self.open(key)?;
+        loop {
+            write_frame(&mut s, OP_GET, key, &[]).map_err(io)?;
+            let mut found = [0u8; 1];
+            s.read_exact(&mut found).map_err(io)?;
+            if found[0] == 1 {
+                return read_bytes(&mut s).map_err(io);
+            }
+            if start.elapsed() >= self.timeout {
+                return Err(StoreError::Timeout {
+                    addr: self.addr.clone(),
+                    key: key.to_string(),
+                    after: start.elapsed(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for TcpStore {
+    fn drop(&mut self) {
+        if let Some((stop, handle)) = self.server.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = handle.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> Result<Option<RendezvousEnv>, StoreError> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        RendezvousEnv::from_lookup(|k| vars.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_and_slurm_variables_are_read_and_checked() {
+        let master = [("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")];
+        let torch = env(&[
+            &master[..],
+            &[("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1")],
+        ]
+        .concat())
+        .expect("valid")
+        .expect("present");
+        assert_eq!((torch.rank, torch.world_size, torch.local_rank), (3, 8, 1));
+        assert_eq!(
+            (torch.master_addr.as_str(), torch.master_port),
+            ("node0", 29500)
+        );
+        let slurm = env(&[
+            &master[..],
+            &[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "16")],
+        ]
+        .concat())
+        .expect("valid")
+        .expect("present");
+        assert_eq!((slurm.rank, slurm.world_size, slurm.local_rank), (5, 16, 0));
+        assert!(env(&[]).expect("no launcher is not an error").is_none());
+        for (bad, why) in [
+            (vec![("RANK", "8"), ("WORLD_SIZE", "8")], "not below"),
+            (vec![("RANK", "x"), ("WORLD_SIZE", "8")], "not a number"),
+            (vec![("RANK", "0")], "WORLD_SIZE is not"),
+        ] {
+            let err = env(&[&master[..], &bad[..]].concat())
+                .expect_err(why)
+                .to_string();
+            assert!(err.contains(why), "{err}");
+        }
+        let err = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")])
+            .expect_err("no address")
+            .to_string();
+        assert!(err.contains("MASTER_ADDR"), "{err}");
+    }
+
+    #[test]
+    fn ranks_exchange_values_through_the_store_on_loopback() {
+        // Port 0 is not usable by clients; find a free port first.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let at = |rank| RendezvousEnv {
+            rank,
+            world_size: 3,
+            local_rank: rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        };
+        let timeout = Duration::from_secs(5);
+        // Clients start before the server exists and wait for it.
+        let clients: Vec<_> = (1..3)
+            .map(|rank| {
+                let e = at(rank);
+                std::thread::spawn(move || {
+                    let store = TcpStore::connect(&e, timeout).expect("client");
+                    store
+                        .set(&format!("hello/{rank}"), &[rank as u8])
+                        .expect("set");
+                    store.get("nccl-id").expect("rank 0 publishes the id")
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let server = TcpStore::connect(&at(0), timeout).expect("server");
+        server.set("nccl-id", b"0123456789").expect("set");
+        for rank in 1..3 {
+            assert_eq!(
+                server.get(&format!("hello/{rank}")).expect("get"),
+                vec![rank as u8]
+            );
+        }
+        for c in clients {
+            assert_eq!(c.join().expect("client thread"), b"0123456789".to_vec());
+        }
+        let short = TcpStore::connect(&at(1), Duration::from_millis(200)).expect("client");
+        let err = short.get("never").expect_err("missing key").to_string();
+        assert!(err.contains("`never` not set"), "{err}");
+    }
+}

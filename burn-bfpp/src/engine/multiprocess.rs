@@ -1,0 +1,230 @@
+//! Training with one rank per process over [`MpiComm`] (feature `mpi`): this process runs its
+//! own rank with [`train_rank`], then the results are gathered to world rank 0, which
+//! assembles the same [`TrainOutcome`] as [`super::train_local`].
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::rank::{stages_for_rank, train_rank, RankPlan};
+use super::{EngineConfig, EngineError, StepReport, TimedEvent, TrainOutcome};
+use crate::comm::{CommError, Communicator, Group, MpiComm};
+use crate::model::{flatten_params, load_flat, recombine, MicroBatch, PipelineModel};
+use crate::schedule::Action;
+
+/// Point-to-point tags of the gathered stage parameters (`PARAM_TAG + stage`): far above the
+/// tags the executor uses for activations and gradients.
+const PARAM_TAG: u64 = 1 << 62;
+/// The byte stream of the per-rank reports.
+const REPORT_TAG: u64 = 1;
+
+/// What every rank sends to rank 0 after training. Floats travel as bits so they arrive
+/// exactly.
+#[derive(Debug, Serialize, Deserialize)]
+struct RankReport {
+    losses: Vec<Option<u64>>,
+    /// `(step, start bits, end bits, action)`.
+    events: Vec<(usize, u64, u64, String)>,
+    peak_param_bytes: usize,
+}
+
+fn comm_err(e: CommError) -> EngineError {
+    EngineError::Comm(e)
+}
+
+/// Trains this process's rank of a world of MPI processes; returns the outcome on world rank
+/// 0 and `None` on the others.
+///
+/// Every process must call this with an identically initialised `model` and the same
+/// configuration (they cut their own stages from it, so no weights are sent at start-up).
+/// Timelines are measured from an instant every rank takes right after a world barrier.
+/// If this rank fails or panics, every other rank is told and fails naming it.
+pub fn train_mpi<B, M, F, P>(
+    comm: &MpiComm<B::InnerBackend>,
+    model: &M,
+    cfg: &EngineConfig,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+    on_step: P,
+) -> Result<Option<TrainOutcome<M>>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport),
+{
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        run(comm, model, cfg, steps, activation_shape, batch, on_step)
+    }));
+    let rank = comm.rank();
+    let result = match result {
+        Ok(r) => r,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(EngineError::RankFailure(format!(
+                "rank {rank} panicked: {msg}"
+            )))
+        }
+    };
+    if let Err(e) = &result {
+        // A communication error has already told the others; anything else (an injected
+        // fault, a model error, a panic) is told here. Only the first abort counts.
+        comm.abort(&e.to_string());
+    }
+    result
+}
+
+fn run<B, M, F, P>(
+    comm: &MpiComm<B::InnerBackend>,
+    model: &M,
+    cfg: &EngineConfig,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+    on_step: P,
+) -> Result<Option<TrainOutcome<M>>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport),
+{
+    let program = cfg.program()?;
+    let grid = comm.grid();
+    let rank = comm.rank();
+    let stages = stages_for_rank(model, cfg, &program, grid.pp_index(rank))?;
+    // A world barrier (pipeline, then data-parallel) so that every rank's time zero is the
+    // same instant, give or take a message latency.
+    comm.barrier(Group::Pipeline).map_err(comm_err)?;
+    comm.barrier(Group::DataParallel).map_err(comm_err)?;
+    let epoch = Instant::now();
+    let plan = RankPlan {
+        cfg,
+        program: &program,
+        steps,
+        activation_shape,
+        epoch,
+    };
+    let outcome = train_rank(comm, &plan, stages, &batch, &on_step)?;
+    let elapsed = epoch.elapsed();
+
+    let report = RankReport {
+        losses: outcome.losses.iter().map(|l| l.map(f64::to_bits)).collect(),
+        events: outcome
+            .events
+            .iter()
+            .map(|e| {
+                (
+                    e.step,
+                    e.start.to_bits(),
+                    e.end.to_bits(),
+                    e.action.to_string(),
+                )
+            })
+            .collect(),
+        peak_param_bytes: outcome.peak_param_bytes,
+    };
+    let bytes = serde_json::to_vec(&report)
+        .map_err(|e| EngineError::RankFailure(format!("rank {rank}: report: {e}")))?;
+    if grid.dp_index(rank) == 0 && rank != 0 {
+        for (s, module) in &outcome.stages {
+            let flat = flatten_params(module).inner();
+            comm.send(0, PARAM_TAG + *s as u64, flat)
+                .map_err(comm_err)?;
+        }
+    }
+    if rank != 0 {
+        comm.send_bytes(0, REPORT_TAG, bytes).map_err(comm_err)?;
+        return Ok(None);
+    }
+
+    // World rank 0: every rank's report, and the trained stages of replica 0.
+    let mut reports = vec![report];
+    for peer in 1..grid.world_size() {
+        let bytes = comm.recv_bytes(peer, REPORT_TAG).map_err(comm_err)?;
+        let r: RankReport = serde_json::from_slice(&bytes).map_err(|e| {
+            EngineError::RankFailure(format!("rank 0: report of rank {peer} is malformed: {e}"))
+        })?;
+        reports.push(r);
+    }
+    let mut own: Vec<Option<M::Stage>> = Vec::new();
+    for (s, module) in outcome.stages {
+        if own.len() <= s {
+            own.resize_with(s + 1, || None);
+        }
+        own[s] = Some(module);
+    }
+    // Templates of every stage (for their parameter layout), cut from the initial model.
+    let templates = (0..grid.pp())
+        .map(|p| stages_for_rank(model, cfg, &program, p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut stages: Vec<(usize, M::Stage)> = Vec::new();
+    for (p, list) in templates.into_iter().enumerate() {
+        for (s, template) in list {
+            if p == 0 {
+                if let Some(m) = own.get_mut(s).and_then(Option::take) {
+                    stages.push((s, m));
+                    continue;
+                }
+            }
+            let numel: usize = crate::model::param_shapes(&template)
+                .iter()
+                .map(|shape| shape.iter().product::<usize>())
+                .sum();
+            let peer = grid.rank_of(p, 0);
+            let flat = comm
+                .recv(peer, PARAM_TAG + s as u64, [numel])
+                .map_err(comm_err)?;
+            let module = load_flat(template, &Tensor::from_inner(flat))?;
+            stages.push((s, module));
+        }
+    }
+    stages.sort_by_key(|(s, _)| *s);
+    let stages: Vec<M::Stage> = stages.into_iter().map(|(_, s)| s).collect();
+    let model = recombine(model.clone(), &stages)?;
+
+    let last_pp = program.stage_ranks[program.num_stages() - 1];
+    let losses = reports[grid.rank_of(last_pp, 0)]
+        .losses
+        .iter()
+        .map(|l| l.map(f64::from_bits).unwrap_or(f64::NAN))
+        .collect();
+    let mut timelines = Vec::with_capacity(reports.len());
+    let mut peak_param_bytes = Vec::with_capacity(reports.len());
+    for (peer, r) in reports.into_iter().enumerate() {
+        let events = r
+            .events
+            .into_iter()
+            .map(|(step, start, end, action)| {
+                let action: Action = action.parse().map_err(|e| {
+                    EngineError::RankFailure(format!(
+                        "rank 0: action `{action}` of rank {peer} does not parse: {e}"
+                    ))
+                })?;
+                Ok(TimedEvent {
+                    step,
+                    action,
+                    start: f64::from_bits(start),
+                    end: f64::from_bits(end),
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        timelines.push(events);
+        peak_param_bytes.push(r.peak_param_bytes);
+    }
+    Ok(Some(TrainOutcome {
+        losses,
+        model,
+        timelines,
+        peak_param_bytes,
+        elapsed,
+    }))
+}

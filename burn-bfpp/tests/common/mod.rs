@@ -1,0 +1,176 @@
+//! What the equivalence tests share: the tiny GPT, its deterministic batches, the plain-Burn
+//! reference training and the comparisons (used by `engine_equivalence` and `mpi_ranks`).
+
+// Each test crate that includes this module uses a different subset of it.
+#![allow(dead_code)]
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_bfpp::engine::EngineConfig;
+use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
+use burn_bfpp::optim::{AdamWSettings, LrSchedule};
+use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use std::time::Duration;
+
+pub type B = Autodiff<Flex>;
+
+pub const M: usize = 4;
+pub const MBS: usize = 2;
+pub const STEPS: usize = 3;
+
+pub fn gpt_config() -> GptConfig {
+    GptConfig {
+        vocab_size: 16,
+        seq_len: 4,
+        hidden: 8,
+        heads: 2,
+        layers: 6,
+        mlp_ratio: 2,
+        ..GptConfig::default()
+    }
+}
+
+pub fn adamw() -> AdamWSettings {
+    AdamWSettings {
+        weight_decay: 0.1,
+        ..AdamWSettings::default()
+    }
+}
+
+pub fn lr() -> LrSchedule {
+    LrSchedule::warmup_cosine(2e-2, 1e-3, 1, STEPS)
+}
+
+/// A deterministic pseudo-random token from its coordinates: the same sample whatever the layout.
+pub fn token(step: usize, sample: usize, pos: usize, salt: usize) -> i64 {
+    let mut x = (step * 1_000_003 + sample * 10_007 + pos * 101 + salt * 7) as u64;
+    x ^= x >> 13;
+    x = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 29;
+    (x % gpt_config().vocab_size as u64) as i64
+}
+
+/// Micro-batch `microbatch` of replica `dp_index` at `step` (1-based): samples
+/// `(dp_index·M + microbatch)·MBS ..` of the step's global batch.
+pub fn batch(step: usize, dp_index: usize, microbatch: usize) -> MicroBatch<B> {
+    let seq = gpt_config().seq_len;
+    let first = (dp_index * M + microbatch) * MBS;
+    let ids = |salt| {
+        let v: Vec<i64> = (0..MBS)
+            .flat_map(|j| (0..seq).map(move |p| token(step, first + j, p, salt)))
+            .collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [MBS, seq]), &Default::default())
+    };
+    MicroBatch {
+        inputs: Inputs::Tokens(ids(0)),
+        targets: Targets::Tokens(ids(1)),
+    }
+}
+
+pub fn model() -> Gpt<B> {
+    let _guard = autodiff_lock();
+    gpt_config()
+        .init_seeded::<B>(7, &Default::default())
+        .expect("valid config")
+}
+
+/// Plain Burn: the whole model on one device, mean loss over the global batch, Burn's AdamW.
+pub fn reference(dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+    let mut model = model();
+    let mut optim = adamw().to_burn().init::<B, Gpt<B>>();
+    let ce = CrossEntropyLossConfig::new().init(&Default::default());
+    let mut losses = Vec::new();
+    for step in 1..=STEPS {
+        let _guard = autodiff_lock();
+        let mut total: Option<Tensor<B, 1>> = None;
+        for d in 0..dp {
+            for m in 0..M {
+                let mb = batch(step, d, m);
+                let (Inputs::Tokens(x), Targets::Tokens(y)) = (mb.inputs, mb.targets) else {
+                    unreachable!("the GPT batches are tokens")
+                };
+                let logits = model.forward(x).expect("forward");
+                let [b, s, v] = logits.dims();
+                let loss = ce.forward(logits.reshape([b * s, v]), y.reshape([b * s]));
+                total = Some(match total {
+                    Some(t) => t + loss,
+                    None => loss,
+                });
+            }
+        }
+        let loss = total.expect("non-empty batch") / (dp * M) as f64;
+        losses.push(loss.clone().into_scalar() as f64);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr().lr(step), model, grads);
+    }
+    (losses, params(&model))
+}
+
+pub fn params<M: Module<B>>(module: &M) -> Vec<Vec<f32>> {
+    struct Collect(Vec<Vec<f32>>);
+    impl ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let v = param.val().into_data().convert::<f32>().to_vec::<f32>();
+            self.0.push(v.expect("f32 data"));
+        }
+    }
+    let mut c = Collect(Vec::new());
+    module.visit(&mut c);
+    c.0
+}
+
+/// Largest relative difference between per-step losses.
+pub fn max_loss_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "one loss per step");
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| ((g - w) / w).abs())
+        .fold(0.0, f64::max)
+}
+
+/// Largest over parameters of ‖got − want‖∞ / ‖want‖∞.
+pub fn max_param_err(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            let diff = g
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            let scale = w.iter().map(|b| b.abs()).fold(f32::MIN_POSITIVE, f32::max);
+            f64::from(diff / scale)
+        })
+        .fold(0.0, f64::max)
+}
+
+pub fn config(
+    kind: ScheduleKind,
+    pp: usize,
+    loops: usize,
+    dp: usize,
+    zero: ZeroLevel,
+) -> EngineConfig {
+    EngineConfig {
+        pp,
+        loops,
+        dp,
+        microbatches: M,
+        bf_microbatches: None,
+        schedule: kind,
+        placement: Placement::Looping,
+        zero,
+        buffers: 2,
+        recompute: false,
+        split: ModelSplit::Even,
+        adamw: adamw(),
+        lr: lr(),
+        max_grad_norm: 0.0,
+        comm_timeout: Duration::from_secs(60),
+        fault: None,
+    }
+}

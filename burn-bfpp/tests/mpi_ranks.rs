@@ -1,0 +1,260 @@
+//! Ranks as separate processes under `mpirun -np 4` (feature `mpi`): P=2, V=2, D=2,
+//! breadth-first and interleaved, ZeRO 1 and 3, three AdamW steps must give the losses and
+//! final parameters of plain single-device Burn training within 1e-5 and bitwise those of
+//! the in-process run; a failing rank must stop every process with an error naming it.
+//!
+//! The tests start `mpirun` on this test binary itself, filtered to the ignored test
+//! [`rank_process`], which reads its case from the environment. `mpirun` must be on PATH
+//! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it the tests fail
+//! with that hint instead of being skipped.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use burn_bfpp::comm::{CommConfig, MpiComm, RankGrid};
+use burn_bfpp::engine::{train_local, train_mpi, EngineConfig, Fault};
+use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
+use common::*;
+
+/// The layouts run under MPI, in this order in every process.
+const CASES: [(ScheduleKind, ZeroLevel); 4] = [
+    (ScheduleKind::BreadthFirst, ZeroLevel::Zero1),
+    (ScheduleKind::BreadthFirst, ZeroLevel::Zero3),
+    (ScheduleKind::Interleaved, ZeroLevel::Zero1),
+    (ScheduleKind::Interleaved, ZeroLevel::Zero3),
+];
+
+/// Where a rank process writes its results (rank 0) — set by the parent test.
+const OUT_ENV: &str = "BFPP_TEST_MPI_OUT";
+/// `rank=R,step=S`: the fault the rank processes inject (the fault test).
+const FAULT_ENV: &str = "BFPP_TEST_MPI_FAULT";
+
+fn mpi_config(kind: ScheduleKind, zero: ZeroLevel) -> EngineConfig {
+    config(kind, 2, 2, 2, zero)
+}
+
+/// One line per case: the losses and every parameter value, as bits.
+fn encode(losses: &[f64], params: &[Vec<f32>]) -> String {
+    let l: Vec<String> = losses.iter().map(|x| x.to_bits().to_string()).collect();
+    let p: Vec<String> = params
+        .iter()
+        .flatten()
+        .map(|x| x.to_bits().to_string())
+        .collect();
+    format!("{};{}", l.join(","), p.join(","))
+}
+
+/// One rank of an MPI world; only meaningful when started by the tests below.
+#[test]
+#[ignore = "a rank process of the mpi_ranks tests, which start it under mpirun"]
+fn rank_process() {
+    let out = std::env::var(OUT_ENV)
+        .unwrap_or_else(|_| panic!("{OUT_ENV} is not set: this test is started by mpirun"));
+    let fault = std::env::var(FAULT_ENV).ok().map(|text| {
+        let nums: Vec<usize> = text
+            .split(',')
+            .map(|n| n.parse().expect("number"))
+            .collect();
+        Fault {
+            rank: nums[0],
+            step: nums[1],
+            panic: false,
+        }
+    });
+    let grid = RankGrid::new(2, 2).expect("grid");
+    let timeout = if fault.is_some() { 10 } else { 60 };
+    let comm = MpiComm::<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend>::init(
+        grid,
+        Default::default(),
+        CommConfig::with_timeout(Duration::from_secs(timeout)),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    let mut lines = Vec::new();
+    for (kind, zero) in CASES {
+        let mut cfg = mpi_config(kind, zero);
+        cfg.fault = fault;
+        let outcome = train_mpi::<B, _, _, _>(&comm, &base, &cfg, STEPS, activation, batch, |_| {})
+            .unwrap_or_else(|e| panic!("{e}"));
+        if let Some(o) = outcome {
+            lines.push(encode(&o.losses, &params(&o.model)));
+        }
+    }
+    if !lines.is_empty() {
+        std::fs::write(&out, lines.join("\n")).expect("results are writable");
+    }
+}
+
+/// Runs `np` rank processes of this binary under mpirun with `env`.
+fn mpirun(np: usize, env: &[(&str, &str)]) -> Output {
+    let exe = std::env::current_exe().expect("test binary path");
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
+        .arg(np.to_string());
+    for (k, v) in env {
+        cmd.env(k, v).arg("-x").arg(k);
+    }
+    cmd.arg(&exe).args([
+        "--exact",
+        "rank_process",
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ]);
+    cmd.output().unwrap_or_else(|e| {
+        panic!(
+            "cannot run mpirun ({e}); install OpenMPI: apt-get install openmpi-bin \
+             libopenmpi-dev"
+        )
+    })
+}
+
+fn out_file(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("bfpp-mpi-{}-{name}.txt", std::process::id()))
+}
+
+fn read_results(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("rank 0 wrote no results to {}: {e}", path.display()))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn decode(line: &str) -> (Vec<f64>, Vec<f32>) {
+    let (l, p) = line.split_once(';').expect("losses;params");
+    let losses = l
+        .split(',')
+        .map(|x| f64::from_bits(x.parse().expect("bits")))
+        .collect();
+    let params = p
+        .split(',')
+        .map(|x| f32::from_bits(x.parse().expect("bits")))
+        .collect();
+    (losses, params)
+}
+
+#[test]
+fn four_processes_match_single_device_burn_and_the_in_process_run() {
+    let out = out_file("equivalence");
+    let start = Instant::now();
+    let run = mpirun(4, &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))]);
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        run.status.success(),
+        "mpirun failed ({}):\n{log}",
+        run.status
+    );
+    let lines = read_results(&out);
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(lines.len(), CASES.len(), "one result per case:\n{log}");
+    eprintln!("4 MPI layouts in {:.1?}", start.elapsed());
+
+    let (want_losses, want_params) = reference(2);
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    for ((kind, zero), line) in CASES.into_iter().zip(&lines) {
+        let (losses, flat) = decode(line);
+        // The plain-Burn reference, parameter by parameter.
+        let mut rest = flat.as_slice();
+        let got: Vec<Vec<f32>> = want_params
+            .iter()
+            .map(|w| {
+                let (head, tail) = rest.split_at(w.len());
+                rest = tail;
+                head.to_vec()
+            })
+            .collect();
+        assert!(rest.is_empty(), "{kind} {zero:?}: extra parameter values");
+        let loss_err = max_loss_err(&losses, &want_losses);
+        let param_err = max_param_err(&got, &want_params);
+        assert!(
+            loss_err <= 1e-5 && param_err <= 1e-5,
+            "{kind} {zero:?} under MPI: loss err {loss_err:.2e}, param err {param_err:.2e}"
+        );
+        // The same layout with ranks as threads: bitwise the same.
+        let local = train_local(
+            &base,
+            &mpi_config(kind, zero),
+            STEPS,
+            activation,
+            batch,
+            |_| {},
+        )
+        .expect("in-process run");
+        let local_flat: Vec<f32> = params(&local.model).into_iter().flatten().collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            losses.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            local.losses.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{kind} {zero:?}: MPI and in-process losses differ"
+        );
+        assert!(
+            bits(&flat) == bits(&local_flat),
+            "{kind} {zero:?}: MPI and in-process parameters differ"
+        );
+    }
+}
+
+#[test]
+fn a_failing_process_stops_the_others_with_an_error_naming_it() {
+    let out = out_file("fault");
+    let start = Instant::now();
+    let run = mpirun(
+        4,
+        &[
+            (OUT_ENV, out.to_str().expect("utf-8 temp path")),
+            (FAULT_ENV, "1,2"),
+        ],
+    );
+    let took = start.elapsed();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        !run.status.success(),
+        "mpirun succeeded despite the fault:\n{log}"
+    );
+    assert!(
+        log.contains("injected fault on rank 1 at step 2"),
+        "the failing rank's error is missing:\n{log}"
+    );
+    // Another rank stopped because of rank 1, well before its 10 s timeout.
+    assert!(
+        log.contains("because rank 1 failed"),
+        "no other rank named rank 1:\n{log}"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}:\n{log}");
+    assert!(!out.exists(), "rank 0 reported results of a failed run");
+}
+
+#[test]
+fn a_world_of_the_wrong_size_is_refused_with_the_fix() {
+    let out = out_file("size");
+    let run = mpirun(3, &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))]);
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        !run.status.success(),
+        "3 processes for pp 2 × dp 2 ran:\n{log}"
+    );
+    assert!(
+        log.contains("MPI started 3 processes but pp 2 × dp 2 needs 4"),
+        "no clear error:\n{log}"
+    );
+}

@@ -1,0 +1,140 @@
+//! How `bfpp train` runs its ranks: as threads of this process, or as one MPI process each.
+//!
+//! Under `mpirun`/`srun` (detected from the launcher's environment, or asked for with
+//! `--comm mpi`) every process runs one rank with [`train_mpi`]; world rank 0 prints the
+//! header and the summary, and the rank that knows the loss draws the progress bar. Without
+//! the `mpi` feature a request for MPI ranks fails with the rebuild command.
+
+use burn_bfpp::comm::RankGrid;
+use burn_bfpp::engine::{train_local, EngineConfig, EngineError, StepReport, TrainOutcome};
+use burn_bfpp::model::{Gpt, MicroBatch};
+use clap::ValueEnum;
+
+use super::train::{Backend, TrainError};
+
+/// `--comm`: where the ranks of `bfpp train` live.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum CommMode {
+    /// MPI processes when started by `mpirun`/`srun`, threads of this process otherwise.
+    #[default]
+    Auto,
+    /// Threads of this process.
+    Local,
+    /// One MPI process per rank (needs a build with `--features mpi` and `mpirun -np pp×dp`).
+    Mpi,
+}
+
+/// The ranks of this run, as seen from this process.
+pub enum Ranks {
+    /// All ranks are threads of this process.
+    Local,
+    /// This process is one rank of an MPI world (boxed: the communicator is large and the
+    /// other variant empty).
+    #[cfg(feature = "mpi")]
+    Mpi(Box<burn_bfpp::comm::MpiComm<burn::backend::Flex>>),
+}
+
+impl Ranks {
+    /// Decides (and for MPI, joins) the world of this run; the world size must be pp × dp.
+    pub fn join(mode: CommMode, engine: &EngineConfig) -> Result<Self, TrainError> {
+        let launched = launch_env();
+        let use_mpi = match mode {
+            CommMode::Local => false,
+            CommMode::Mpi => true,
+            CommMode::Auto => launched.is_some_and(|(_, size)| size > 1),
+        };
+        if !use_mpi {
+            return Ok(Ranks::Local);
+        }
+        let grid = RankGrid::new(engine.pp, engine.dp).map_err(EngineError::from)?;
+        Self::join_mpi(grid, engine)
+    }
+
+    #[cfg(feature = "mpi")]
+    fn join_mpi(grid: RankGrid, engine: &EngineConfig) -> Result<Self, TrainError> {
+        use burn_bfpp::comm::{CommConfig, MpiComm};
+        let config = CommConfig::with_timeout(engine.comm_timeout);
+        let comm = MpiComm::init(grid, Default::default(), config).map_err(EngineError::from)?;
+        Ok(Ranks::Mpi(Box::new(comm)))
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    fn join_mpi(grid: RankGrid, _engine: &EngineConfig) -> Result<Self, TrainError> {
+        Err(TrainError::Config(format!(
+            "MPI ranks were asked for (pp {} × dp {} processes) but this bfpp was built \
+             without MPI; rebuild with `cargo build --release --features mpi` (needs OpenMPI \
+             and libclang), or run with --comm local",
+            grid.pp(),
+            grid.dp()
+        )))
+    }
+
+    /// Whether this process prints the header and the summary (world rank 0).
+    pub fn is_root(&self) -> bool {
+        match self {
+            Ranks::Local => true,
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(comm) => burn_bfpp::comm::Communicator::rank(comm.as_ref()) == 0,
+        }
+    }
+
+    /// Whether this process learns the loss of every step (it holds the last stage of
+    /// replica 0), so its progress bar moves.
+    // Without MPI every rank is a thread here and the configuration is not needed.
+    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
+    pub fn reports_loss(&self, engine: &EngineConfig) -> Result<bool, TrainError> {
+        match self {
+            Ranks::Local => Ok(true),
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(comm) => {
+                use burn_bfpp::comm::Communicator;
+                let program = engine.program()?;
+                let last_pp = program.stage_ranks[program.num_stages() - 1];
+                Ok(comm.rank() == comm.grid().rank_of(last_pp, 0))
+            }
+        }
+    }
+
+    /// Trains; the outcome is `None` on processes other than world rank 0.
+    pub fn train<F, P>(
+        &self,
+        model: &Gpt<Backend>,
+        engine: &EngineConfig,
+        steps: usize,
+        activation: [usize; 3],
+        batch: F,
+        on_step: P,
+    ) -> Result<Option<TrainOutcome<Gpt<Backend>>>, EngineError>
+    where
+        F: Fn(usize, usize, usize) -> MicroBatch<Backend> + Sync,
+        P: Fn(&StepReport) + Sync,
+    {
+        match self {
+            Ranks::Local => train_local(model, engine, steps, activation, batch, on_step).map(Some),
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(comm) => burn_bfpp::engine::train_mpi::<Backend, _, _, _>(
+                comm.as_ref(),
+                model,
+                engine,
+                steps,
+                activation,
+                batch,
+                on_step,
+            ),
+        }
+    }
+}
+
+/// `(rank, size)` of an MPI launch, read from the launcher's environment.
+fn launch_env() -> Option<(usize, usize)> {
+    #[cfg(feature = "mpi")]
+    {
+        burn_bfpp::comm::mpi_launch_env()
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let rank = std::env::var("OMPI_COMM_WORLD_RANK").ok()?.parse().ok()?;
+        let size = std::env::var("OMPI_COMM_WORLD_SIZE").ok()?.parse().ok()?;
+        Some((rank, size))
+    }
+}
