@@ -104,7 +104,11 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
     /// Replace the freshly initialised shard and optimizer state by a saved one (already
     /// resharded for this layout); refuses a state whose layout differs from this stage's.
     pub(crate) fn restore(&mut self, state: &StageState) -> Result<(), EngineError> {
-        let lens = [state.owned.len(), state.moment_1.len(), state.moment_2.len()];
+        let lens = [
+            state.owned.len(),
+            state.moment_1.len(),
+            state.moment_2.len(),
+        ];
         if state.stage != self.index
             || state.layout != self.layout
             || lens.iter().any(|&n| n != self.layout.owned_len())

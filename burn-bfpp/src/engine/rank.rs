@@ -6,7 +6,7 @@ use std::time::Instant;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::executor::{ExecutorSettings, LocalStage, RankExecutor};
-use super::snapshot::{save_rank, restore_rank, Checkpointing};
+use super::snapshot::{restore_rank, save_rank, Checkpointing};
 use super::{EngineConfig, EngineError, StepReport, TimedEvent};
 use crate::comm::{Communicator, Group};
 use crate::model::{split_model, MicroBatch, PipelineModel, PipelineStage};

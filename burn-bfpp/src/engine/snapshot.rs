@@ -50,7 +50,7 @@ pub struct RankState {
 /// boundaries; they must name the file and the problem.
 pub trait CheckpointSink: Sync {
     /// Persist world rank `rank`'s state after step `state.step`.
-    fn write_rank(&self, rank: usize, world_size: usize, state: &RankState) -> Result<(), String>;
+    fn write_rank(&self, rank: usize, state: &RankState) -> Result<(), String>;
     /// Make the checkpoint of `step` complete (e.g. write its manifest), after every rank
     /// wrote its part.
     fn commit(&self, step: usize) -> Result<(), String>;
@@ -150,7 +150,7 @@ where
         .map(LocalStage::snapshot)
         .collect::<Result<Vec<_>, _>>()
         .and_then(|stages| {
-            sink.write_rank(rank, comm.world_size(), &RankState { step, stages })
+            sink.write_rank(rank, &RankState { step, stages })
                 .map_err(EngineError::Checkpoint)
         });
     let failures = count_world::<B, C>(comm, written.is_err())?;
