@@ -20,7 +20,9 @@ pub use format::{
     MANIFEST,
 };
 pub use reshard::{check_model, consolidate, param_entries, shard_for, stage_numels, GlobalState};
-pub use store::{list_checkpoints, load, resolve, step_dir_name, DirSink, Loaded, CRASH_ENV};
+pub use store::{
+    list_checkpoints, load, resolve, step_dir_name, DataAt, DirSink, Loaded, CRASH_ENV,
+};
 
 use crate::engine::{EngineConfig, RankState};
 use crate::model::{ModelError, PipelineModel};

@@ -179,14 +179,17 @@ pub fn load(path: &Path) -> Result<Loaded, CheckpointError> {
     })
 }
 
+/// The data position after a number of steps (see [`crate::data::Batcher::position`]).
+pub type DataAt<'a> = Box<dyn Fn(u64) -> DataPosition + Sync + 'a>;
+
 /// Writes checkpoints of a run into a run directory: the engine's [`CheckpointSink`].
-pub struct DirSink {
+pub struct DirSink<'a> {
     run_dir: PathBuf,
     /// The manifest's fields that do not change between saves (`step`, `files`, `data` and
     /// `optimizer_steps` are filled at commit).
     template: Manifest,
     /// Data position after a given number of steps.
-    data_at: Option<Box<dyn Fn(u64) -> DataPosition + Sync>>,
+    data_at: Option<DataAt<'a>>,
     /// Complete checkpoints to keep (0: all).
     keep: usize,
     /// Files written per step, filled by the ranks, read at commit.
@@ -198,7 +201,7 @@ pub struct DirSink {
     files_written: Mutex<usize>,
 }
 
-impl std::fmt::Debug for DirSink {
+impl std::fmt::Debug for DirSink<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DirSink")
             .field("run_dir", &self.run_dir)
@@ -207,14 +210,14 @@ impl std::fmt::Debug for DirSink {
     }
 }
 
-impl DirSink {
+impl<'a> DirSink<'a> {
     /// A sink writing into `run_dir` with the manifest fields of `template`, keeping the
     /// newest `keep` complete checkpoints (0: all). `data_at(steps)` gives the data position
     /// after `steps` steps.
     pub fn new(
         run_dir: &Path,
         template: Manifest,
-        data_at: Option<Box<dyn Fn(u64) -> DataPosition + Sync>>,
+        data_at: Option<DataAt<'a>>,
         keep: usize,
     ) -> Result<Self, CheckpointError> {
         fs::create_dir_all(run_dir).map_err(|e| io_err(run_dir, e))?;
@@ -336,7 +339,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl CheckpointSink for DirSink {
+impl CheckpointSink for DirSink<'_> {
     fn write_rank(&self, rank: usize, state: &RankState) -> Result<(), String> {
         self.write_rank_file(rank, state).map_err(|e| e.to_string())
     }
