@@ -65,7 +65,12 @@ fn bfpp(args: &[&str]) -> Output {
 fn train(dir: &Path, args: &[&str]) -> Output {
     let out = dir.join("out");
     let mut all = vec!["train", "--json", "--out-dir", out.to_str().expect("utf-8")];
-    all.extend_from_slice(TINY);
+    // A flag in `args` replaces TINY's (clap refuses a flag given twice).
+    for pair in TINY.chunks(2) {
+        if !args.contains(&pair[0]) {
+            all.extend_from_slice(pair);
+        }
+    }
     all.extend_from_slice(args);
     bfpp(&all)
 }
