@@ -104,7 +104,7 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn sink_for(dir: &Path, cfg: &EngineConfig, base: &Gpt<B>, keep: usize) -> DirSink {
+fn sink_for(dir: &Path, cfg: &EngineConfig, base: &Gpt<B>, keep: usize) -> DirSink<'static> {
     let program = cfg.program().expect("valid layout");
     let numels = stage_numels(base, cfg, &program).expect("split");
     let template = manifest_template(
