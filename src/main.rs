@@ -38,6 +38,10 @@ enum Command {
     /// the built-in demonstration: pp 2, loops 2, dp 2, breadth-first, ZeRO-3.
     #[cfg(feature = "flex")]
     Train(Box<cli::args::TrainArgs>),
+    /// Write a checkpoint's consolidated weights as a Burn record of the plain
+    /// single-device GPT (loadable with `Gpt::load_file` or `bfpp train --init`).
+    #[cfg(feature = "flex")]
+    Export(cli::checkpoint::ExportArgs),
     /// Generate a schedule, add transfers and data-parallel collectives, validate it, print it.
     Schedule(ScheduleArgs),
     /// Check a schedule CSV (one line per rank, as written by `bfpp` or PyTorch pipelining).
@@ -157,6 +161,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         #[cfg(feature = "flex")]
         Command::Train(args) => cli::train::run(&args),
+        #[cfg(feature = "flex")]
+        Command::Export(args) => cli::checkpoint::export(&args)
+            .map(|out| eprintln!("wrote {}", out.display()))
+            .map_err(CliError::from),
         Command::Schedule(args) => run_schedule(&args),
         Command::Validate(args) => run_validate(&args),
         Command::Simulate(args) => cli::simulate::run(&args),

@@ -5,6 +5,7 @@
 //! simulator and the executor consume the same lowered per-rank action lists.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod engine;

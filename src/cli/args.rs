@@ -113,6 +113,9 @@ pub struct TrainArgs {
     /// Folder for metrics.jsonl, trace.json and timeline.svg.
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub out_dir: Option<PathBuf>,
+    /// Checkpoint flags (--save, --save-every, --keep, --resume, --init).
+    #[command(flatten)]
+    pub ckpt: super::checkpoint::CheckpointArgs,
     /// Print one JSON object at the end instead of the progress bar and summary.
     #[arg(long, help_heading = "Output")]
     pub json: bool,

@@ -6,6 +6,8 @@
 #[cfg(feature = "flex")]
 pub mod args;
 #[cfg(feature = "flex")]
+pub mod checkpoint;
+#[cfg(feature = "flex")]
 pub mod config;
 pub mod launch;
 #[cfg(feature = "flex")]

@@ -6,7 +6,9 @@
 //! the `mpi` feature a request for MPI ranks fails with the rebuild command.
 
 use burn_bfpp::comm::RankGrid;
-use burn_bfpp::engine::{train_local, EngineConfig, EngineError, StepReport, TrainOutcome};
+use burn_bfpp::engine::{
+    train_local_with, Checkpointing, EngineConfig, EngineError, StepReport, TrainOutcome,
+};
 use burn_bfpp::model::{Gpt, MicroBatch};
 use clap::ValueEnum;
 
@@ -104,13 +106,32 @@ impl Ranks {
         activation: [usize; 3],
         batch: F,
         on_step: P,
+        checkpointing: Checkpointing<'_>,
     ) -> Result<Option<TrainOutcome<Gpt<Backend>>>, EngineError>
     where
         F: Fn(usize, usize, usize) -> MicroBatch<Backend> + Sync,
         P: Fn(&StepReport) + Sync,
     {
         match self {
-            Ranks::Local => train_local(model, engine, steps, activation, batch, on_step).map(Some),
+            Ranks::Local => train_local_with(
+                model,
+                engine,
+                steps,
+                activation,
+                batch,
+                on_step,
+                checkpointing,
+            )
+            .map(Some),
+            #[cfg(feature = "mpi")]
+            #[cfg(feature = "mpi")]
+            Ranks::Mpi(_) if !checkpointing.resume.is_empty() || checkpointing.sink.is_some() => {
+                Err(EngineError::Config(
+                    "checkpoints (--save, --resume) are not supported yet with ranks as \
+                     separate processes; run the ranks in one process (--comm local)"
+                        .into(),
+                ))
+            }
             #[cfg(feature = "mpi")]
             Ranks::Mpi(comm) => burn_bfpp::engine::train_mpi::<Backend, _, _, _>(
                 comm.as_ref(),

@@ -9,12 +9,14 @@ use std::io;
 use std::path::PathBuf;
 
 use burn::backend::{Autodiff, Flex};
+use burn_bfpp::checkpoint::CheckpointError;
 use burn_bfpp::data::{load_corpus, Batcher, DataError};
-use burn_bfpp::engine::{EngineError, Fault};
+use burn_bfpp::engine::{CheckpointSink, Checkpointing, EngineError, Fault};
 use burn_bfpp::model::{autodiff_lock, ModelError};
 use burn_bfpp::schedule::ScheduleError;
 
 use super::args::TrainArgs;
+use super::checkpoint::{prepare, Prepared};
 use super::config::Plan;
 use super::report::{self, Header, Progress};
 use super::write_output;
@@ -65,6 +67,9 @@ pub enum TrainError {
     /// Training failed (a rank failed, panicked or timed out).
     #[error("training failed: {0}")]
     Engine(#[from] EngineError),
+    /// A checkpoint could not be saved, loaded or resharded.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     /// An output file could not be written.
     #[error("cannot write `{}`: {source}", path.display())]
     Write {
@@ -151,12 +156,25 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         let _guard = autodiff_lock();
         cfg.model.init_seeded::<Backend>(cfg.run.seed, &device)?
     };
+    let steps = cfg.run.steps;
+    let Prepared {
+        model,
+        resume,
+        sink,
+    } = prepare(
+        &args.ckpt,
+        &cfg.model,
+        cfg.run.seed,
+        steps,
+        &engine,
+        model,
+        &batcher,
+    )?;
     let out_dir = &cfg.run.out_dir;
     std::fs::create_dir_all(out_dir).map_err(|source| TrainError::Write {
         path: out_dir.clone(),
         source,
     })?;
-    let steps = cfg.run.steps;
     let tokens_per_step = layout.global_batch() * batch.seq_len;
     // Under MPI only world rank 0 prints the header and summary, and only the rank that
     // learns the loss draws the progress bar.
@@ -192,7 +210,21 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         let epochs = batcher.epochs_started((r.step - 1) as u64);
         progress.step(r, epochs);
     };
-    let outcome = ranks.train(&model, &engine, steps, activation, batch_of, on_step);
+    let checkpointing = Checkpointing {
+        resume: &resume,
+        every: args.ckpt.save_every.unwrap_or(0),
+        at_end: sink.is_some(),
+        sink: sink.as_ref().map(|s| s as &dyn CheckpointSink),
+    };
+    let outcome = ranks.train(
+        &model,
+        &engine,
+        steps,
+        activation,
+        batch_of,
+        on_step,
+        checkpointing,
+    );
     progress.finish();
     let Some(outcome) = outcome? else {
         // Another MPI rank than 0: rank 0 reports the run.

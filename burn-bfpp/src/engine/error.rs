@@ -57,4 +57,7 @@ pub enum EngineError {
     /// The optimizer rejected its inputs.
     #[error("optimizer: {0}")]
     Optimizer(String),
+    /// A checkpoint could not be written or restored; the text names the file and problem.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
 }

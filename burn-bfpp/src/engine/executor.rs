@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 use super::shard::ShardLayout;
+use super::snapshot::StageState;
 use super::{EngineError, TimedEvent};
 use crate::comm::{Communicator, Group, ReduceOp};
 use crate::model::{
@@ -79,6 +80,61 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         let values = Tensor::from_inner(padded.narrow(0, 0, self.layout.numel));
         let _autodiff = autodiff_lock();
         self.module = load_flat_shaped(self.module.clone(), &values, &self.shapes)?;
+        Ok(())
+    }
+
+    /// This stage's training state, copied out of the backend (a checkpoint).
+    pub(crate) fn snapshot(&self) -> Result<StageState, EngineError> {
+        let read = |t: &Tensor<Inner<B>, 1>| {
+            t.to_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| EngineError::Config(format!("stage {}: {e:?}", self.index)))
+        };
+        Ok(StageState {
+            stage: self.index,
+            layout: self.layout,
+            owned: read(&self.owned)?,
+            moment_1: read(self.optimizer.first_moment())?,
+            moment_2: read(self.optimizer.second_moment())?,
+            optimizer_steps: self.optimizer.steps(),
+        })
+    }
+
+    /// Replace the freshly initialised shard and optimizer state by a saved one (already
+    /// resharded for this layout); refuses a state whose layout differs from this stage's.
+    pub(crate) fn restore(&mut self, state: &StageState) -> Result<(), EngineError> {
+        let lens = [
+            state.owned.len(),
+            state.moment_1.len(),
+            state.moment_2.len(),
+        ];
+        if state.stage != self.index
+            || state.layout != self.layout
+            || lens.iter().any(|&n| n != self.layout.owned_len())
+        {
+            return Err(EngineError::Config(format!(
+                "restored state of stage {} ({:?}, lengths {lens:?}) does not fit stage {} \
+                 ({:?}); reshard the checkpoint for this layout",
+                state.stage, state.layout, self.index, self.layout
+            )));
+        }
+        let device = self.owned.device();
+        let tensor = |v: &[f32]| {
+            Tensor::<Inner<B>, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device)
+        };
+        self.owned = tensor(&state.owned);
+        self.optimizer = ShardOptimizer::from_state(
+            self.optimizer.settings().clone(),
+            tensor(&state.moment_1),
+            tensor(&state.moment_2),
+            state.optimizer_steps,
+        )
+        .map_err(|e| EngineError::Optimizer(e.to_string()))?;
+        if !self.layout.sharded {
+            // ZeRO-0 keeps its weights gathered: the module must hold the restored values.
+            self.refill(self.owned.clone())?;
+        }
         Ok(())
     }
 

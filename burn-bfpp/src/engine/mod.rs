@@ -14,6 +14,7 @@ mod multiprocess;
 mod profile;
 mod rank;
 mod shard;
+mod snapshot;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -24,8 +25,9 @@ pub use error::EngineError;
 #[cfg(feature = "mpi")]
 pub use multiprocess::train_mpi;
 pub use profile::StepProfile;
-pub use rank::{stages_for_rank, train_rank, RankOutcome, RankPlan};
+pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
+pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};
 
 use crate::comm::{run_ranks, CommConfig, Communicator, LocalComm, RankError, RankGrid};
 use crate::model::{recombine, split_model, MicroBatch, ModelSplit, PipelineModel};
@@ -181,6 +183,28 @@ where
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport) + Sync,
 {
+    let fresh = Checkpointing::default();
+    train_local_with(model, cfg, steps, activation_shape, batch, on_step, fresh)
+}
+
+/// [`train_local`] that may resume from saved rank states and save checkpoints (see
+/// [`Checkpointing`]); `steps` counts total steps, including those before the resume.
+pub fn train_local_with<B, M, F, P>(
+    model: &M,
+    cfg: &EngineConfig,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+    on_step: P,
+    checkpointing: Checkpointing<'_>,
+) -> Result<TrainOutcome<M>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    M::Stage: Send,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport) + Sync,
+{
     let program = cfg.program()?;
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
     let comms: Vec<LocalComm<B::InnerBackend>> =
@@ -224,7 +248,7 @@ where
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
             .unwrap_or_default();
-        train_rank(comm, &plan, stages, &batch, &on_step)
+        train_rank_with(comm, &plan, stages, &batch, &on_step, checkpointing)
     })
     .map_err(|e| match e {
         RankError::Failed { error, .. } => error,

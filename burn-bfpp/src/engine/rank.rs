@@ -6,6 +6,7 @@ use std::time::Instant;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::executor::{ExecutorSettings, LocalStage, RankExecutor};
+use super::snapshot::{restore_rank, save_rank, Checkpointing};
 use super::{EngineConfig, EngineError, StepReport, TimedEvent};
 use crate::comm::{Communicator, Group};
 use crate::model::{split_model, MicroBatch, PipelineModel, PipelineStage};
@@ -81,6 +82,28 @@ where
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {
+    train_rank_with(comm, plan, stages, batch, on_step, Checkpointing::default())
+}
+
+/// [`train_rank`] that may start from a saved state and save its state after chosen steps
+/// (see [`Checkpointing`]). Steps run from `checkpointing.start_step() + 1` to `plan.steps`,
+/// so the learning-rate schedule and the data continue where the saved run stopped; the
+/// returned losses are those of the steps that ran.
+pub fn train_rank_with<B, S, C, F, P>(
+    comm: &C,
+    plan: &RankPlan<'_>,
+    stages: Vec<(usize, S)>,
+    batch: F,
+    on_step: P,
+    checkpointing: Checkpointing<'_>,
+) -> Result<RankOutcome<S>, EngineError>
+where
+    B: AutodiffBackend,
+    S: PipelineStage<B>,
+    C: Communicator<B::InnerBackend>,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport),
+{
     let cfg = plan.cfg;
     let rank = comm.rank();
     let grid = comm.grid();
@@ -96,10 +119,14 @@ where
     }
     let dp_index = comm.group_rank(Group::DataParallel);
     let pp_index = comm.group_rank(Group::Pipeline);
-    let local = stages
+    let mut local: Vec<_> = stages
         .into_iter()
         .map(|(s, module)| LocalStage::new(s, module, cfg.dp, dp_index, cfg.zero, &cfg.adamw))
         .collect();
+    let start = checkpointing.start_step();
+    if !checkpointing.resume.is_empty() {
+        restore_rank(rank, &mut local, checkpointing.resume)?;
+    }
     let settings = ExecutorSettings {
         zero: cfg.zero,
         recompute: cfg.recompute,
@@ -111,8 +138,8 @@ where
     };
     let list = plan.program.ranks[pp_index].clone();
     let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch);
-    let mut losses = Vec::with_capacity(plan.steps);
-    for step in 1..=plan.steps {
+    let mut losses = Vec::with_capacity(plan.steps.saturating_sub(start));
+    for step in start + 1..=plan.steps {
         if let Some(f) = cfg.fault.filter(|f| f.rank == rank && f.step == step) {
             if f.panic {
                 panic!("injected panic on rank {rank} at step {step}");
@@ -131,6 +158,9 @@ where
             });
         }
         losses.push(loss);
+        if checkpointing.due(step, plan.steps) {
+            save_rank(comm, &exec, step, checkpointing)?;
+        }
     }
     let finished = exec.finish()?;
     Ok(RankOutcome {

@@ -1,0 +1,191 @@
+//! What a rank's training state looks like outside the engine, and the hooks that let a run
+//! start from such a state and hand it out after chosen steps (checkpoints).
+//!
+//! The engine itself knows nothing about files: it produces a [`RankState`] per rank after a
+//! step, gives it to a [`CheckpointSink`], and agrees with every other rank that all of them
+//! wrote it before the sink's `commit` runs on world rank 0. Restoring is the reverse: a
+//! [`RankState`] per rank (already resharded for this layout by the caller) replaces the
+//! freshly initialised shards and optimizer state, and training continues after its step.
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+
+use super::executor::{LocalStage, RankExecutor};
+use super::shard::ShardLayout;
+use super::EngineError;
+use crate::comm::{Communicator, Group, ReduceOp};
+use crate::model::PipelineStage;
+
+/// One stage's training state on one rank: its owned shard of the padded flat parameters and
+/// the AdamW moments of that shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageState {
+    /// Global stage index.
+    pub stage: usize,
+    /// How the stage's flat parameters are laid out over the data-parallel group.
+    pub layout: ShardLayout,
+    /// The owned part of the padded flat parameters (`layout.owned_len()` values).
+    pub owned: Vec<f32>,
+    /// AdamW first moment of the owned part.
+    pub moment_1: Vec<f32>,
+    /// AdamW second moment of the owned part.
+    pub moment_2: Vec<f32>,
+    /// AdamW steps taken (the bias-correction counter).
+    pub optimizer_steps: usize,
+}
+
+/// A rank's whole training state after an optimizer step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankState {
+    /// The optimizer step just finished (1-based; 0 before any step).
+    pub step: usize,
+    /// The rank's stages, in the order the rank holds them.
+    pub stages: Vec<StageState>,
+}
+
+/// Where ranks put their state when a checkpoint is due.
+///
+/// `write_rank` runs on every rank (concurrently); `commit` runs once, on world rank 0, only
+/// after every rank's `write_rank` succeeded. Errors are text because they cross rank
+/// boundaries; they must name the file and the problem.
+pub trait CheckpointSink: Sync {
+    /// Persist world rank `rank`'s state after step `state.step`.
+    fn write_rank(&self, rank: usize, state: &RankState) -> Result<(), String>;
+    /// Make the checkpoint of `step` complete (e.g. write its manifest), after every rank
+    /// wrote its part.
+    fn commit(&self, step: usize) -> Result<(), String>;
+}
+
+/// How a run starts and when it saves.
+#[derive(Clone, Copy, Default)]
+pub struct Checkpointing<'a> {
+    /// The state of every world rank to start from, indexed by world rank; empty for a fresh
+    /// run. All must carry the same step; training continues with the step after it.
+    pub resume: &'a [RankState],
+    /// Save after every step that is a multiple of this (0: never in between).
+    pub every: usize,
+    /// Save after the last step.
+    pub at_end: bool,
+    /// Where to save; without one nothing is saved.
+    pub sink: Option<&'a dyn CheckpointSink>,
+}
+
+impl std::fmt::Debug for Checkpointing<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpointing")
+            .field("resume_ranks", &self.resume.len())
+            .field("every", &self.every)
+            .field("at_end", &self.at_end)
+            .field("sink", &self.sink.is_some())
+            .finish()
+    }
+}
+
+impl Checkpointing<'_> {
+    /// The step training continues after (0 for a fresh run).
+    pub fn start_step(&self) -> usize {
+        self.resume.first().map_or(0, |s| s.step)
+    }
+
+    /// Whether a checkpoint is due after `step` of a run of `steps` steps.
+    pub fn due(&self, step: usize, steps: usize) -> bool {
+        self.sink.is_some()
+            && ((self.every > 0 && step % self.every == 0) || (self.at_end && step == steps))
+    }
+}
+
+/// Put the saved states of this rank's stages in place of the fresh ones.
+pub(super) fn restore_rank<B, S>(
+    rank: usize,
+    local: &mut [LocalStage<B, S>],
+    resume: &[RankState],
+) -> Result<(), EngineError>
+where
+    B: AutodiffBackend,
+    S: PipelineStage<B>,
+{
+    let state = resume.get(rank).ok_or_else(|| {
+        EngineError::Config(format!(
+            "the resume state has {} ranks but this is world rank {rank}; reshard the \
+             checkpoint for this layout",
+            resume.len()
+        ))
+    })?;
+    if resume.iter().any(|s| s.step != state.step) || state.stages.len() != local.len() {
+        return Err(EngineError::Config(format!(
+            "rank {rank}: the resume state is inconsistent (steps {:?}, {} stages for {} \
+             held here)",
+            resume.iter().map(|s| s.step).collect::<Vec<_>>(),
+            state.stages.len(),
+            local.len()
+        )));
+    }
+    for (stage, saved) in local.iter_mut().zip(&state.stages) {
+        stage.restore(saved)?;
+    }
+    Ok(())
+}
+
+/// Hand this rank's state after `step` to the sink, agree with every rank that all writes
+/// succeeded, then let world rank 0 commit. Every rank learns the outcome, so a failed write
+/// anywhere stops every rank with an error instead of leaving some waiting.
+pub(super) fn save_rank<B, S, C>(
+    comm: &C,
+    exec: &RankExecutor<'_, B, S, C>,
+    step: usize,
+    checkpointing: Checkpointing<'_>,
+) -> Result<(), EngineError>
+where
+    B: AutodiffBackend,
+    S: PipelineStage<B>,
+    C: Communicator<B::InnerBackend>,
+{
+    let Some(sink) = checkpointing.sink else {
+        return Ok(());
+    };
+    let rank = comm.rank();
+    let written = exec
+        .stages
+        .iter()
+        .map(LocalStage::snapshot)
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|stages| {
+            sink.write_rank(rank, &RankState { step, stages })
+                .map_err(EngineError::Checkpoint)
+        });
+    let failures = count_world::<B, C>(comm, written.is_err())?;
+    written?;
+    if failures > 0 {
+        return Err(EngineError::Checkpoint(format!(
+            "{failures} other rank(s) failed to write their part of the step-{step} \
+             checkpoint; the previous checkpoint is untouched"
+        )));
+    }
+    let committed = if rank == 0 {
+        sink.commit(step).map_err(EngineError::Checkpoint)
+    } else {
+        Ok(())
+    };
+    let failures = count_world::<B, C>(comm, committed.is_err())?;
+    committed?;
+    if failures > 0 {
+        return Err(EngineError::Checkpoint(format!(
+            "rank 0 failed to complete the step-{step} checkpoint"
+        )));
+    }
+    Ok(())
+}
+
+/// The number of world ranks for which `failed` is true (a sum over both groups).
+fn count_world<B, C>(comm: &C, failed: bool) -> Result<usize, EngineError>
+where
+    B: AutodiffBackend,
+    C: Communicator<B::InnerBackend>,
+{
+    let device = comm.device().clone();
+    let flag = Tensor::<B::InnerBackend, 1>::from_floats([f32::from(u8::from(failed))], &device);
+    let flag = comm.all_reduce(Group::Pipeline, flag, ReduceOp::Sum)?;
+    let flag = comm.all_reduce(Group::DataParallel, flag, ReduceOp::Sum)?;
+    let total: f32 = flag.into_scalar().elem();
+    Ok(total.round() as usize)
+}

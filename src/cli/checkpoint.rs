@@ -1,0 +1,214 @@
+//! Checkpoint flags of `bfpp train` (`--save`, `--save-every`, `--keep`, `--resume`,
+//! `--init`) and `bfpp export`.
+//!
+//! The library does the work (`burn_bfpp::checkpoint`); this file turns flags into a
+//! [`DirSink`], resharded resume states, or a Burn record of the plain model.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::{Tensor, TensorData};
+use burn_bfpp::checkpoint::{
+    self, load, manifest_template, param_entries, resume_states, stage_numels, CheckpointError,
+    DirSink,
+};
+use burn_bfpp::data::{Batcher, DataError};
+use burn_bfpp::engine::{EngineConfig, RankState};
+use burn_bfpp::model::{autodiff_lock, load_flat, Gpt, GptConfig};
+use burn_bfpp::schedule::PipelineSchedule;
+use clap::Args;
+
+use super::train::{Backend, TrainError};
+
+/// The checkpoint flags of `bfpp train`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CheckpointArgs {
+    /// Write a checkpoint into this run directory at the end of the run (and with
+    /// --save-every also in between); each is a `step-NNNNNNNN/` folder.
+    #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
+    pub save: Option<PathBuf>,
+    /// Also save after every N-th step (needs --save).
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "save",
+        help_heading = "Checkpoints"
+    )]
+    pub save_every: Option<usize>,
+    /// Keep only the newest K complete checkpoints (older ones are deleted after a new one
+    /// is complete); default: keep all.
+    #[arg(
+        long,
+        value_name = "K",
+        requires = "save",
+        help_heading = "Checkpoints"
+    )]
+    pub keep: Option<usize>,
+    /// Continue from a checkpoint: a step directory, or a run directory (its newest complete
+    /// checkpoint). Any layout may differ from the saved one; --steps counts total steps.
+    #[arg(
+        long,
+        value_name = "DIR",
+        conflicts_with = "init",
+        help_heading = "Checkpoints"
+    )]
+    pub resume: Option<PathBuf>,
+    /// Start from the weights of a file written by `bfpp export` (a Burn record, .mpk).
+    #[arg(long, value_name = "FILE", help_heading = "Checkpoints")]
+    pub init: Option<PathBuf>,
+}
+
+/// What the checkpoint flags add to a run.
+pub struct Prepared<'a> {
+    /// The model to train (with resumed or initial weights).
+    pub model: Gpt<Backend>,
+    /// Every rank's state to start from (empty: fresh optimizer state).
+    pub resume: Vec<RankState>,
+    /// Where to save, if anywhere.
+    pub sink: Option<DirSink<'a>>,
+}
+
+/// The model configuration as the manifest records it.
+fn model_json(model: &GptConfig) -> Result<serde_json::Value, TrainError> {
+    serde_json::to_value(model).map_err(|e| TrainError::Config(e.to_string()))
+}
+
+/// Apply `--init`, `--resume` and `--save` to a run about to start.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare<'a>(
+    args: &CheckpointArgs,
+    model_cfg: &GptConfig,
+    seed: u64,
+    steps: usize,
+    engine: &EngineConfig,
+    model: Gpt<Backend>,
+    batcher: &'a Batcher,
+) -> Result<Prepared<'a>, TrainError> {
+    let program: PipelineSchedule = engine.program()?;
+    let json = model_json(model_cfg)?;
+    let mut model = model;
+    if let Some(file) = &args.init {
+        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        let _guard = autodiff_lock();
+        model = model
+            .load_file(file.clone(), &recorder, &Default::default())
+            .map_err(|e| {
+                TrainError::Checkpoint(CheckpointError::Corrupt {
+                    path: file.clone(),
+                    problem: format!("not a Burn record of this model: {e}"),
+                })
+            })?;
+    }
+    let mut resume = Vec::new();
+    let mut start = 0;
+    if let Some(path) = &args.resume {
+        let loaded = load(path)?;
+        if let Some(saved) = &loaded.manifest.data {
+            let next = batcher.resume(saved)?;
+            if next != loaded.manifest.step as u64 {
+                return Err(TrainError::Data(DataError::Resume {
+                    field: "next step",
+                    saved: next.to_string(),
+                    current: loaded.manifest.step.to_string(),
+                    hint: "the manifest is inconsistent; resume from another checkpoint",
+                }));
+            }
+        }
+        start = loaded.manifest.step;
+        if start >= steps {
+            return Err(TrainError::Config(format!(
+                "`{}` is at step {start} and --steps is {steps}: nothing to run; --steps \
+                 counts total steps, so raise it",
+                loaded.dir.display()
+            )));
+        }
+        let (states, global) = resume_states(&loaded, &model, &json, engine, &program)?;
+        let flat = Tensor::<Backend, 1>::from_data(
+            TensorData::new(global.params.clone(), [global.params.len()]),
+            &Default::default(),
+        );
+        let _guard = autodiff_lock();
+        model = load_flat(model, &flat)?;
+        resume = states;
+    }
+    let sink = match &args.save {
+        None => None,
+        Some(dir) => {
+            let numels = stage_numels(&model, engine, &program)?;
+            let lr =
+                serde_json::to_value(engine.lr).map_err(|e| TrainError::Config(e.to_string()))?;
+            let template = manifest_template(
+                engine,
+                &program,
+                &numels,
+                json,
+                param_entries(&model),
+                lr,
+                seed,
+            );
+            let data_at: checkpoint::DataAt<'a> = Box::new(move |s| batcher.position(s));
+            let sink = DirSink::new(dir, template, Some(data_at), args.keep.unwrap_or(0))?;
+            let every = args.save_every.unwrap_or(0);
+            let due = (start + 1..=steps).filter(|&s| (every > 0 && s % every == 0) || s == steps);
+            sink.check_free(due)?;
+            Some(sink)
+        }
+    };
+    Ok(Prepared {
+        model,
+        resume,
+        sink,
+    })
+}
+
+/// `bfpp export --checkpoint DIR --out FILE`.
+#[derive(Debug, Clone, Args)]
+pub struct ExportArgs {
+    /// A step directory, or a run directory (its newest complete checkpoint).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: PathBuf,
+    /// The Burn record to write (`NamedMpkFileRecorder`, full precision; the extension becomes
+    /// `.mpk`). Load it with `Gpt::load_file` and the same recorder, or `bfpp train --init`.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+/// Consolidate a checkpoint into the plain single-device model and write it as a Burn record.
+pub fn export(args: &ExportArgs) -> Result<PathBuf, TrainError> {
+    let loaded = load(&args.checkpoint)?;
+    let config: GptConfig = serde_json::from_value(loaded.manifest.model.clone()).map_err(|e| {
+        TrainError::Checkpoint(CheckpointError::OtherModel {
+            path: loaded.dir.join(checkpoint::MANIFEST),
+            problem: format!("its model is not a GPT configuration: {e}"),
+        })
+    })?;
+    let global = checkpoint::consolidate(&loaded)?;
+    let model = {
+        let _guard = autodiff_lock();
+        config.init_seeded::<Backend>(loaded.manifest.seed, &Default::default())?
+    };
+    checkpoint::check_model(&loaded, &model_json(&config)?, &param_entries(&model))?;
+    let flat = Tensor::<Backend, 1>::from_data(
+        TensorData::new(global.params, [loaded.manifest.numel()]),
+        &Default::default(),
+    );
+    let model = {
+        let _guard = autodiff_lock();
+        load_flat(model, &flat)?
+    };
+    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+    let out = with_mpk(&args.out);
+    model
+        .save_file(out.clone(), &recorder)
+        .map_err(|e| TrainError::Write {
+            path: out.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    Ok(out)
+}
+
+/// The file the recorder writes: it sets the extension to `.mpk` (replacing any other).
+fn with_mpk(path: &Path) -> PathBuf {
+    path.with_extension("mpk")
+}

@@ -1,0 +1,254 @@
+//! End-to-end tests of `bfpp train --save/--resume/--init` and `bfpp export`: a resumed run
+//! continues the uninterrupted one (same and other layouts), refusals name the file, and the
+//! exported record loads into the plain single-device GPT with the checkpoint's weights.
+#![cfg(feature = "flex")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn_bfpp::checkpoint::{consolidate, load};
+use burn_bfpp::model::{autodiff_lock, flatten_params, Gpt, GptConfig};
+use serde_json::Value;
+
+type B = Autodiff<Flex>;
+
+/// A 4-block GPT of width 16 on 8-token samples, 8 samples per step in every layout below.
+const TINY: &[&str] = &[
+    "--layers",
+    "4",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--mlp-ratio",
+    "2",
+    "--seq-len",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--comm-timeout",
+    "20",
+];
+const SAVED_LAYOUT: &[&str] = &[
+    "--pp",
+    "2",
+    "--loops",
+    "2",
+    "--dp",
+    "2",
+    "--zero",
+    "3",
+    "--microbatches",
+    "2",
+];
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bfpp-ckpt-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+    dir
+}
+
+fn bfpp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bfpp"))
+        .args(args)
+        .env_remove("BFPP_FAULT_INJECT")
+        .env_remove("BFPP_CKPT_CRASH_AFTER_FILES")
+        .output()
+        .expect("the bfpp binary runs")
+}
+
+/// `bfpp train --json` with the tiny model, `args` and its own output folder.
+fn train(dir: &Path, args: &[&str]) -> Output {
+    let out = dir.join("out");
+    let mut all = vec!["train", "--json", "--out-dir", out.to_str().expect("utf-8")];
+    // A flag in `args` replaces TINY's (clap refuses a flag given twice).
+    for pair in TINY.chunks(2) {
+        if !args.contains(&pair[0]) {
+            all.extend_from_slice(pair);
+        }
+    }
+    all.extend_from_slice(args);
+    bfpp(&all)
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(out.status.success(), "bfpp failed: {}", stderr(out));
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+fn losses(doc: &Value) -> Vec<f64> {
+    doc["losses"]
+        .as_array()
+        .expect("losses")
+        .iter()
+        .map(|l| l.as_f64().expect("number"))
+        .collect()
+}
+
+fn norm(doc: &Value) -> f64 {
+    doc["param_l2_norm"].as_f64().expect("param_l2_norm")
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    ((a - b) / b).abs()
+}
+
+#[test]
+fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
+    let dir = temp_dir("resume");
+    let run = dir.join("run");
+    let run_s = run.to_str().expect("utf-8");
+    let mut first = SAVED_LAYOUT.to_vec();
+    first.extend(["--steps", "4", "--save", run_s, "--save-every", "2"]);
+    let full = json_of(&train(&dir, &first));
+    let full_losses = losses(&full);
+    assert_eq!(full_losses.len(), 4);
+    let step2 = run.join("step-00000002");
+    assert!(step2.join("manifest.json").is_file() && run.join("step-00000004").is_dir());
+
+    // Same layout from the step-2 directory: steps 3 and 4, as in the uninterrupted run.
+    let step2_s = step2.to_str().expect("utf-8");
+    let mut same = SAVED_LAYOUT.to_vec();
+    same.extend(["--steps", "4", "--resume", step2_s]);
+    let resumed = json_of(&train(&dir, &same));
+    let got = losses(&resumed);
+    assert_eq!(got.len(), 2, "only steps 3 and 4 run");
+    for (g, w) in got.iter().zip(&full_losses[2..]) {
+        assert!(rel(*g, *w) <= 1e-6, "{got:?} vs {:?}", &full_losses[2..]);
+    }
+    assert!(rel(norm(&resumed), norm(&full)) <= 1e-6);
+
+    // Another layout: resharded on load.
+    let other = [
+        "--pp",
+        "1",
+        "--loops",
+        "2",
+        "--dp",
+        "1",
+        "--zero",
+        "0",
+        "--microbatches",
+        "4",
+        "--steps",
+        "4",
+        "--resume",
+        step2_s,
+    ];
+    let moved = json_of(&train(&dir, &other));
+    for (g, w) in losses(&moved).iter().zip(&full_losses[2..]) {
+        assert!(
+            rel(*g, *w) <= 1e-5,
+            "{:?} vs {:?}",
+            losses(&moved),
+            &full_losses[2..]
+        );
+    }
+    assert!(rel(norm(&moved), norm(&full)) <= 1e-5);
+
+    // Export the newest checkpoint (step 4, the run directory) and load it into plain Burn.
+    let record = dir.join("weights.mpk");
+    let out = bfpp(&[
+        "export",
+        "--checkpoint",
+        run_s,
+        "--out",
+        record.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "export failed: {}", stderr(&out));
+    let loaded = load(&run).expect("newest checkpoint");
+    assert_eq!(loaded.manifest.step, 4);
+    let want = consolidate(&loaded).expect("consolidates").params;
+    let config: GptConfig = serde_json::from_value(loaded.manifest.model.clone()).expect("gpt");
+    let plain = {
+        let _guard = autodiff_lock();
+        // A different seed: every value must come from the file.
+        let fresh = config
+            .init_seeded::<B>(12345, &Default::default())
+            .expect("model");
+        fresh
+            .load_file(
+                record.clone(),
+                &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+                &Default::default(),
+            )
+            .expect("the record loads into the plain GPT")
+    };
+    let got: Vec<f32> = flatten_params::<B, Gpt<B>>(&plain)
+        .into_data()
+        .to_vec::<f32>()
+        .expect("f32");
+    assert_eq!(got, want, "exported weights equal the checkpoint's");
+    // Its L2 norm is what the uninterrupted run reported at its end.
+    let l2 = want
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt();
+    assert!(rel(l2, norm(&full)) <= 1e-6, "{l2} vs {}", norm(&full));
+
+    // --init starts pipelined training from the exported weights: step 1 of a run from them
+    // has a different loss than step 1 from the seeded initialisation.
+    let record_s = record.to_str().expect("utf-8");
+    let init = json_of(&train(&dir, &["--steps", "1", "--init", record_s]));
+    let fresh = json_of(&train(&dir, &["--steps", "1"]));
+    assert!(
+        losses(&init)[0] < losses(&fresh)[0] - 1e-3,
+        "{init} vs {fresh}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn damaged_or_foreign_checkpoints_are_refused_and_nothing_is_overwritten() {
+    let dir = temp_dir("refuse");
+    let run = dir.join("run");
+    let run_s = run.to_str().expect("utf-8");
+    json_of(&train(
+        &dir,
+        &["--pp", "2", "--steps", "1", "--save", run_s],
+    ));
+    let step1 = run.join("step-00000001");
+    let rank1 = step1.join("rank-00001.bin");
+    let good = std::fs::read(&rank1).expect("rank file");
+
+    // Saving step 1 again into the same run directory: refused before training.
+    let out = train(&dir, &["--pp", "2", "--steps", "1", "--save", run_s]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("step-00000001"), "{}", stderr(&out));
+    assert_eq!(
+        std::fs::read(&rank1).expect("read"),
+        good,
+        "nothing overwritten"
+    );
+
+    // Another model.
+    let out = train(&dir, &["--steps", "2", "--layers", "2", "--resume", run_s]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("manifest.json") && err.contains("another model"),
+        "{err}"
+    );
+
+    // A flipped byte.
+    let mut bad = good.clone();
+    bad[good.len() / 2] ^= 1;
+    std::fs::write(&rank1, &bad).expect("write");
+    let out = train(&dir, &["--steps", "2", "--resume", run_s]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("rank-00001.bin") && err.contains("corrupt"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
