@@ -98,6 +98,8 @@ impl Ranks {
     }
 
     /// Trains; the outcome is `None` on processes other than world rank 0.
+    // The arguments of `train_local_with`, passed through one to one.
+    #[allow(clippy::too_many_arguments)]
     pub fn train<F, P>(
         &self,
         model: &Gpt<Backend>,
