@@ -1,0 +1,325 @@
+//! Train the reference GPT with the looped breadth-first pipeline on one accelerator and lay the
+//! measurement beside the simulator's prediction for the same layout: the program behind
+//! `scripts/gpu-run.sh`.
+//!
+//! ```sh
+//! cargo run --release --features cuda --example gpu_run -- --backend cuda     # an NVIDIA GPU
+//! cargo run --release --example gpu_run -- --backend flex --steps 3 --layers 4 # the CPU
+//! ```
+//!
+//! Every pipeline and data-parallel rank is a thread of this process and all of them share the
+//! one device (Burn's `LocalComm`), so the run shows the schedule, the sharding and the engine's
+//! overheads on real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU
+//! against `--peak-tflops` (the H200's dense bf16 peak by default), the bubble of the measured
+//! step, and the simulator's step time, bubble and MFU for the same layout with one GPU of
+//! `--hardware` per rank. It writes the measured and the simulated timelines (SVG) and the
+//! measured Chrome trace to `--out`.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use burn_bfpp::data::{BatchConfig, BatchLayout, Batcher, MarkovConfig, MarkovCorpus};
+use burn_bfpp::engine::{train_local, EngineConfig, StepProfile};
+use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, ModelSplit};
+use burn_bfpp::optim::{AdamWSettings, LrSchedule};
+use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use burn_bfpp::sim::{simulate, GptShape, HardwareConfig, ModelConfig, SimConfig};
+use burn_bfpp::viz::{chrome_trace_json, timeline_svg, write_file, Trace};
+use clap::{Parser, ValueEnum};
+
+/// Which Burn backend trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendChoice {
+    /// Burn's CPU backend (always built).
+    Flex,
+    /// Burn's wgpu backend (build with `--features wgpu`).
+    Wgpu,
+    /// Burn's CUDA backend (build with `--features cuda`).
+    Cuda,
+}
+
+/// Command-line settings of the run.
+#[derive(Debug, Parser)]
+#[command(about = "Train the reference GPT pipelined on one device; measured vs simulated")]
+struct Args {
+    /// Backend to train on.
+    #[arg(long, value_enum, default_value = "cuda")]
+    backend: BackendChoice,
+    /// Pipeline ranks P.
+    #[arg(long, default_value_t = 4)]
+    pp: usize,
+    /// Stages per pipeline rank V.
+    #[arg(long, default_value_t = 2)]
+    loops: usize,
+    /// Data-parallel replicas D.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Micro-batches per step and replica M.
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// Samples per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    micro_batch_size: usize,
+    /// Transformer blocks (at least pp × loops − 2, so every stage has a layer).
+    #[arg(long, default_value_t = 16)]
+    layers: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = 1024)]
+    hidden: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Sequence length.
+    #[arg(long, default_value_t = 1024)]
+    seq_len: usize,
+    /// Vocabulary, at least the 256 byte-level tokens of the data.
+    #[arg(long, default_value_t = 256)]
+    vocab: usize,
+    /// Optimizer steps; the first `warmup` are not timed.
+    #[arg(long, default_value_t = 6)]
+    steps: usize,
+    /// Untimed steps at the start (kernel compilation, autotuning, allocator growth).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// ZeRO level 0–3.
+    #[arg(long, default_value_t = 3)]
+    zero: u8,
+    /// Peak dense TFLOP/s of the device, the denominator of MFU (H200 SXM bf16: 989).
+    #[arg(long, default_value_t = 989.0)]
+    peak_tflops: f64,
+    /// Simulator hardware preset for the prediction.
+    #[arg(long, default_value = "h200-141gb")]
+    hardware: String,
+    /// Folder for the timelines and the trace.
+    #[arg(long, default_value = "gpu-run-out")]
+    out: PathBuf,
+}
+
+type Error = Box<dyn std::error::Error>;
+
+fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    match args.backend {
+        BackendChoice::Flex => {
+            run::<burn::backend::Autodiff<burn::backend::Flex>>(&args, Default::default())
+        }
+        #[cfg(feature = "wgpu")]
+        BackendChoice::Wgpu => run::<burn::backend::Autodiff<burn::backend::Wgpu>>(
+            &args,
+            burn::backend::wgpu::WgpuDevice::default(),
+        ),
+        #[cfg(feature = "cuda")]
+        BackendChoice::Cuda => run::<burn::backend::Autodiff<burn::backend::Cuda>>(
+            &args,
+            burn::backend::cuda::CudaDevice::new(0),
+        ),
+        #[allow(unreachable_patterns)]
+        other => Err(format!(
+            "backend {other:?} is not built into this binary: rebuild with `--features {}`",
+            format!("{other:?}").to_lowercase()
+        )
+        .into()),
+    }
+}
+
+/// Model FLOPs of one step by the simulator's formula, so measured and predicted MFU count the
+/// same work.
+fn shape(args: &Args) -> GptShape {
+    GptShape {
+        layers: args.layers,
+        hidden: args.hidden,
+        heads: args.heads,
+        sequence: args.seq_len,
+        vocabulary: args.vocab,
+    }
+}
+
+fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Error> {
+    if args.warmup >= args.steps {
+        return Err(format!(
+            "--warmup {} leaves no timed step of --steps {}: raise --steps",
+            args.warmup, args.steps
+        )
+        .into());
+    }
+    let zero = ZeroLevel::from_number(args.zero)?;
+    let gpt = GptConfig {
+        vocab_size: args.vocab,
+        seq_len: args.seq_len,
+        hidden: args.hidden,
+        heads: args.heads,
+        layers: args.layers,
+        ..GptConfig::default()
+    };
+    let model: Gpt<B> = {
+        let _guard = autodiff_lock();
+        gpt.init_seeded::<B>(0, &device)?
+    };
+    let layout = BatchLayout {
+        dp: args.dp,
+        microbatches: args.microbatches,
+        micro_batch_size: args.micro_batch_size,
+    };
+    let cfg = EngineConfig {
+        pp: args.pp,
+        loops: args.loops,
+        dp: args.dp,
+        microbatches: args.microbatches,
+        bf_microbatches: None,
+        schedule: ScheduleKind::BreadthFirst,
+        placement: Placement::Looping,
+        zero,
+        buffers: 2,
+        recompute: false,
+        split: ModelSplit::Even,
+        adamw: AdamWSettings::default(),
+        lr: LrSchedule::constant(1e-4),
+        max_grad_norm: 1.0,
+        comm_timeout: Duration::from_secs(600),
+        fault: None,
+    };
+    let program = cfg.program()?;
+    // Predict first: a layout the simulator cannot cost is refused before any training.
+    let mut sim_cfg = SimConfig::new(
+        ModelConfig::Gpt(shape(args)),
+        HardwareConfig::preset(&args.hardware)?,
+    );
+    sim_cfg.dp = args.dp;
+    sim_cfg.micro_batch_size = args.micro_batch_size;
+    sim_cfg.zero = zero;
+    let predicted = simulate(&program, &sim_cfg)?;
+
+    if args.vocab < 256 {
+        return Err(format!(
+            "--vocab {} is below the 256 byte-level tokens of the data: use --vocab 256 or more",
+            args.vocab
+        )
+        .into());
+    }
+    let corpus = MarkovCorpus::new(MarkovConfig::default())?;
+    let samples = layout.dp * layout.microbatches * layout.micro_batch_size;
+    let batcher = Batcher::new(&corpus, BatchConfig::new(gpt.seq_len, samples, 0))?;
+    let batch = |step: usize, dp_index, mb| {
+        batcher
+            .micro_batch::<B>((step - 1) as u64, &layout, dp_index, mb, &device)
+            .expect("the layout was checked when the batcher was built")
+    };
+
+    println!(
+        "gpu-run: {:?} backend; GPT {} blocks, hidden {}, {} heads, seq {}, vocab {}",
+        args.backend, args.layers, args.hidden, args.heads, args.seq_len, args.vocab
+    );
+    println!(
+        "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}; {} ranks as threads \
+         sharing one device",
+        args.pp,
+        args.loops,
+        args.dp,
+        args.microbatches,
+        args.micro_batch_size,
+        args.zero,
+        args.pp * args.dp
+    );
+    let ends = Mutex::new(Vec::new());
+    let activation = [args.micro_batch_size, gpt.seq_len, gpt.hidden];
+    let outcome = train_local(&model, &cfg, args.steps, activation, batch, |r| {
+        println!(
+            "step {:>3}  loss {:.4}  at {:.2} s",
+            r.step, r.loss, r.elapsed
+        );
+        ends.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(r.elapsed);
+    })?;
+    // Reading the parameters waits for every queued kernel, so the last step's time is real.
+    let norm = param_l2_norm(&outcome.model);
+    let ends = ends.into_inner().unwrap_or_else(|p| p.into_inner());
+    let timed = args.steps - args.warmup;
+    let step_s = match (ends.get(args.warmup - 1), ends.last()) {
+        (Some(start), Some(end)) if args.warmup > 0 => (end - start) / timed as f64,
+        (_, Some(end)) => end / timed as f64,
+        _ => return Err("no step reported its time".into()),
+    };
+    let tokens = (samples * args.seq_len) as f64;
+    let flops = shape(args).step_model_flops(samples);
+    let tflops = flops / step_s / 1e12;
+
+    let profile = StepProfile::measure(&outcome.timelines, args.pp, args.steps);
+
+    std::fs::create_dir_all(&args.out)?;
+    let measured_trace = Trace::from_engine(&outcome.timelines).with_title("measured");
+    let simulated_trace = Trace::from_sim(&predicted)
+        .with_title(format!("simulated, one {} per rank", args.hardware));
+    let measured_svg = args.out.join("timeline-measured.svg");
+    let simulated_svg = args.out.join("timeline-simulated.svg");
+    let trace_json = args.out.join("trace-measured.json");
+    write_file(&measured_svg, &timeline_svg(&measured_trace))?;
+    write_file(&simulated_svg, &timeline_svg(&simulated_trace))?;
+    write_file(&trace_json, &chrome_trace_json(&measured_trace))?;
+
+    println!(
+        "\nfinal loss {:.4}, parameter L2 norm {norm:.4}",
+        outcome.losses.last().copied().unwrap_or(f64::NAN)
+    );
+    println!(
+        "{:<28} {:>14} {:>22}",
+        "", "measured", "simulated (1 GPU/rank)"
+    );
+    println!(
+        "{:<28} {:>14.4} {:>22.4}",
+        "step time (s)", step_s, predicted.step_time_s
+    );
+    println!(
+        "{:<28} {:>14.0} {:>22.0}",
+        "tokens/s",
+        tokens / step_s,
+        predicted.tokens_per_s
+    );
+    println!(
+        "{:<28} {:>14.4} {:>22.4}",
+        "model TFLOP/s per GPU", tflops, predicted.tflops_per_gpu
+    );
+    println!(
+        "{:<28} {:>13.4}% {:>21.4}%",
+        "MFU",
+        100.0 * tflops / args.peak_tflops,
+        100.0 * predicted.mfu
+    );
+    let bubble = profile.as_ref().map_or(f64::NAN, |p| p.bubble_fraction);
+    println!(
+        "{:<28} {:>14.3} {:>22.3}",
+        "bubble (last step)", bubble, predicted.bubble_fraction
+    );
+    println!(
+        "measured: one device shared by {} ranks (their computes take turns); simulated: one {} \
+         per rank. MFU against {:.0} TFLOP/s.",
+        args.pp * args.dp,
+        args.hardware,
+        args.peak_tflops
+    );
+    println!(
+        "wrote {}, {}, {}",
+        measured_svg.display(),
+        simulated_svg.display(),
+        trace_json.display()
+    );
+    Ok(())
+}
+
+/// L2 norm of every parameter; reading them back synchronises the device.
+fn param_l2_norm<B: AutodiffBackend>(model: &Gpt<B>) -> f64 {
+    struct SumSquares(f64);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for SumSquares {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let v = param.val().powi_scalar(2).sum().into_scalar();
+            self.0 += burn::tensor::ElementConversion::elem::<f64>(v);
+        }
+    }
+    let mut s = SumSquares(0.0);
+    model.visit(&mut s);
+    s.0.sqrt()
+}
