@@ -17,7 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=target/gpu-check
 
 step() { printf '\n==> %s\n' "$*"; }
-die() { printf 'gpu-check: %s\n' "$*" >&2; exit "${2:-1}"; }
+die() { printf 'gpu-check: %s\n' "$1" >&2; exit "${2:-1}"; }
 
 if [[ "${1:-run}" == "build" ]]; then
     step "building the CUDA kernel tests (x86-64, no GPU needed to build)"

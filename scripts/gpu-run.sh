@@ -20,7 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=target/gpu-run
 
 step() { printf '\n==> %s\n' "$*"; }
-die() { printf 'gpu-run: %s\n' "$*" >&2; exit "${2:-1}"; }
+die() { printf 'gpu-run: %s\n' "$1" >&2; exit "${2:-1}"; }
 
 if [[ "${1:-run}" == "build" ]]; then
     step "building examples/gpu_run.rs with the CUDA backend (x86-64, no GPU needed to build)"
