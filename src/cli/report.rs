@@ -449,3 +449,30 @@ impl Summary {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resuming_keeps_the_metrics_up_to_the_checkpoint_and_drops_the_rest() {
+        let dir = std::env::temp_dir().join(format!("bfpp-metrics-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("writable");
+        let path = dir.join(METRICS_FILE);
+        // Steps 1 to 3 and a line cut short by a crash.
+        std::fs::write(&path, "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n{\"st").expect("write");
+        let mut file = open_metrics(&path, 2).expect("opens");
+        writeln!(file, "{{\"step\":3,\"new\":true}}").expect("append");
+        drop(file);
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert_eq!(text, "{\"step\":1}\n{\"step\":2}\n{\"step\":3,\"new\":true}\n");
+        // A missing file is started afresh; a fresh run truncates.
+        std::fs::remove_file(&path).expect("remove");
+        drop(open_metrics(&path, 5).expect("creates"));
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), "");
+        std::fs::write(&path, "{\"step\":1}\n").expect("write");
+        drop(open_metrics(&path, 0).expect("truncates"));
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), "");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
