@@ -48,6 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_grad_norm: 1.0,
         comm_timeout: Duration::from_secs(300),
         fault: None,
+        on_nonfinite: Default::default(),
     };
 
     // Samples depend only on (step, replica, micro-batch), never on the layout.

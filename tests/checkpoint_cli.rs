@@ -125,6 +125,17 @@ fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
         assert!(rel(*g, *w) <= 1e-6, "{got:?} vs {:?}", &full_losses[2..]);
     }
     assert!(rel(norm(&resumed), norm(&full)) <= 1e-6);
+    // metrics.jsonl continues the saved run's: its steps 1 and 2, then the resumed 3 and 4,
+    // neither duplicated nor left over from the first run's steps 3 and 4.
+    let metrics = std::fs::read_to_string(dir.join("out").join("metrics.jsonl")).expect("metrics");
+    let lines: Vec<Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().expect("step")).collect();
+    assert_eq!(steps, [1, 2, 3, 4], "{metrics}");
+    assert_eq!(lines[0]["loss"].as_f64(), Some(full_losses[0]));
+    assert_eq!(lines[2]["loss"].as_f64(), Some(got[0]));
 
     // Another layout: resharded on load.
     let other = [

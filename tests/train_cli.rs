@@ -113,6 +113,7 @@ fn json_report_has_exactly_the_documented_keys() {
             "losses",
             "param_l2_norm",
             "peak_param_bytes",
+            "skipped_steps",
             "timeline_svg",
             "tokens_per_s",
             "trace_json"
@@ -124,6 +125,7 @@ fn json_report_has_exactly_the_documented_keys() {
         losses.iter().all(|l| l.is_finite() && *l > 0.0),
         "{losses:?}"
     );
+    assert_eq!(doc["skipped_steps"], serde_json::json!([]));
     assert!(doc["param_l2_norm"].as_f64().expect("a number") > 0.0);
     assert!(doc["tokens_per_s"].as_f64().expect("a number") > 0.0);
     // The default layout has pp 2 × dp 2 = 4 ranks.
@@ -146,7 +148,15 @@ fn json_report_has_exactly_the_documented_keys() {
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect();
     assert_eq!(lines.len(), 2);
-    for key in ["step", "loss", "lr", "tokens", "tokens_per_s", "elapsed_s"] {
+    for key in [
+        "step",
+        "loss",
+        "lr",
+        "tokens",
+        "tokens_per_s",
+        "elapsed_s",
+        "skipped",
+    ] {
         assert!(
             lines[1].get(key).is_some(),
             "metrics line lacks {key}: {}",
@@ -332,5 +342,126 @@ fn a_config_file_is_read_and_flags_override_it() {
         &["--config", typo.to_str().expect("UTF-8")],
         &[],
         &["stesp", "--print-config"],
+    );
+}
+
+/// The metrics file of the run `name` (see [`train`]).
+fn metrics_lines(name: &str) -> Vec<Value> {
+    std::fs::read_to_string(temp_dir(name).join("metrics.jsonl"))
+        .expect("metrics written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+#[test]
+fn a_nan_step_stops_by_default_naming_the_step_and_the_rank() {
+    // World rank 1 holds the last stage (3) of replica 0: its losses become NaN at step 2.
+    assert_fails(
+        "nan-stop",
+        &["--steps", "3", "--microbatches", "2"],
+        &[("BFPP_FAULT_INJECT", "rank=1,step=2,kind=nan")],
+        &[
+            "step 2",
+            "non-finite loss on rank 1 (stage 3)",
+            "--on-nonfinite skip",
+        ],
+    );
+}
+
+#[test]
+fn a_nan_step_is_skipped_with_a_warning_under_the_skip_policy() {
+    let dir = temp_dir("nan-skip-config");
+    let file = dir.join("skip.toml");
+    std::fs::write(&file, "[run]\non_nonfinite = \"skip\"\n").expect("writable");
+    let file = file.to_str().expect("UTF-8");
+    let args = ["--config", file, "--steps", "3", "--microbatches", "2", "--json"];
+    let fault = [("BFPP_FAULT_INJECT", "rank=1,step=2,kind=nan")];
+    let out = train("nan-skip", &args, &fault);
+    let doc = json_of(&out);
+    assert_eq!(doc["skipped_steps"], serde_json::json!([2]));
+    let losses = doc["losses"].as_array().expect("losses");
+    assert_eq!(losses.len(), 3);
+    // The poisoned loss is not a number (JSON null); the others are.
+    assert!(losses[1].is_null(), "{doc}");
+    assert!(losses[0].as_f64().is_some() && losses[2].as_f64().is_some());
+    let err = stderr(&out);
+    assert!(
+        err.contains("warning: step 2") && err.contains("skipped"),
+        "{err}"
+    );
+    let skipped: Vec<bool> = metrics_lines("nan-skip")
+        .iter()
+        .map(|l| l["skipped"].as_bool().expect("skipped is a bool"))
+        .collect();
+    assert_eq!(skipped, [false, true, false]);
+
+    // The flag beats the file.
+    let mut stop = args.to_vec();
+    stop.extend(["--on-nonfinite", "stop"]);
+    assert_fails("nan-skip-flag", &stop, &fault, &["step 2", "non-finite"]);
+}
+
+#[test]
+fn a_rank_slower_than_the_timeout_stops_the_run_naming_it() {
+    let sleep = Duration::from_secs(4);
+    let start = Instant::now();
+    let out = train(
+        "sleep",
+        &["--steps", "3", "--microbatches", "2", "--comm-timeout", "1"],
+        &[("BFPP_FAULT_INJECT", "rank=1,step=2,kind=sleep,secs=4")],
+    );
+    let took = start.elapsed();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "a stalled rank must fail the run: {err}");
+    // The others give up after 1 s; the run ends when the sleeper wakes and is told.
+    assert!(took < sleep + Duration::from_secs(10), "took {took:?}");
+    assert!(err.contains("timed out"), "{err}");
+    assert!(
+        err.contains("rank 1 is not waiting on anybody") || err.contains("ends at rank 1,"),
+        "the slow rank 1 is not named: {err}"
+    );
+}
+
+#[test]
+fn an_exhausted_dataset_wraps_to_the_next_epoch_and_says_so() {
+    let dir = temp_dir("wrap-data");
+    let corpus = dir.join("tiny.txt");
+    // 100 bytes: (100 - 1) / 8 = 12 samples per epoch; 8 samples per step, so the data
+    // runs out during step 2 and epoch 2 begins there.
+    let text: String = "the quick brown fox jumps over the lazy dog. "
+        .chars()
+        .cycle()
+        .take(100)
+        .collect();
+    std::fs::write(&corpus, text).expect("writable");
+    let out = train(
+        "wrap",
+        &[
+            "--data",
+            corpus.to_str().expect("UTF-8"),
+            "--steps",
+            "4",
+            "--microbatches",
+            "2",
+            "--json",
+        ],
+        &[],
+    );
+    let doc = json_of(&out);
+    assert_eq!(losses(&doc).len(), 4);
+    let err = stderr(&out);
+    let notices: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("dataset exhausted"))
+        .collect();
+    // Steps 3 and 4 cover samples 16..32: epoch 3 starts at sample 24, in step 4.
+    assert_eq!(
+        notices,
+        [
+            "dataset exhausted at step 2: wrapping around, starting epoch 2",
+            "dataset exhausted at step 4: wrapping around, starting epoch 3"
+        ],
+        "{err}"
     );
 }

@@ -73,6 +73,7 @@ fn engine_run(model: &Gpt<B>) -> Vec<f64> {
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(60),
         fault: None,
+        on_nonfinite: Default::default(),
     };
     let shape = [MBS, gpt().seq_len, gpt().hidden];
     train_local(model, &cfg, STEPS, shape, |s, _, m| batch(s, m), |_| {})

@@ -140,7 +140,11 @@ fn fault_run(panic: bool) -> (String, Duration) {
     cfg.fault = Some(burn_bfpp::engine::Fault {
         rank: 3,
         step: 2,
-        panic,
+        kind: if panic {
+            burn_bfpp::engine::FaultKind::Panic
+        } else {
+            burn_bfpp::engine::FaultKind::Error
+        },
     });
     let start = std::time::Instant::now();
     let err = train_local(&base, &cfg, STEPS, activation, batch, |_| {})

@@ -122,6 +122,7 @@ fn breadth_first_zero3_on_wgpu_matches_single_device() {
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(120),
         fault: None,
+        on_nonfinite: Default::default(),
     };
     let shape = [MBS, gpt().seq_len, gpt().hidden];
     let outcome = train_local(&model(), &cfg, STEPS, shape, batch, |_| {}).expect("trains");

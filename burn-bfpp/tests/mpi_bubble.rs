@@ -78,6 +78,7 @@ fn config() -> EngineConfig {
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(120),
         fault: None,
+        on_nonfinite: Default::default(),
     }
 }
 

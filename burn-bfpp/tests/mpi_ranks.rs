@@ -62,7 +62,7 @@ fn rank_process() {
         Fault {
             rank: nums[0],
             step: nums[1],
-            panic: false,
+            kind: burn_bfpp::engine::FaultKind::Error,
         }
     });
     let grid = RankGrid::new(2, 2).expect("grid");

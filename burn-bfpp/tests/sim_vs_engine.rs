@@ -72,6 +72,7 @@ fn config(dp: usize, zero: ZeroLevel) -> EngineConfig {
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(60),
         fault: None,
+        on_nonfinite: Default::default(),
     }
 }
 

@@ -106,6 +106,10 @@ pub struct TrainArgs {
     /// Seconds a rank waits on a peer before the run fails.
     #[arg(long, value_name = "SECS", help_heading = "Run")]
     pub comm_timeout: Option<f64>,
+    /// A step whose loss or gradient norm is NaN or infinite: stop the run with an error
+    /// naming the step (default), or skip its optimizer update with a warning.
+    #[arg(long, value_name = "stop|skip", help_heading = "Run")]
+    pub on_nonfinite: Option<burn_bfpp::engine::NonFinitePolicy>,
     /// Where the ranks live: MPI processes when started by mpirun/srun (auto), threads of
     /// this process (local), or MPI processes (mpi; needs a build with --features mpi).
     #[arg(long, value_enum, default_value_t, help_heading = "Run")]
@@ -180,6 +184,7 @@ impl TrainArgs {
         set(&mut r.seed, &self.seed);
         set(&mut r.comm_timeout_s, &self.comm_timeout);
         set(&mut r.out_dir, &self.out_dir);
+        set(&mut r.on_nonfinite, &self.on_nonfinite);
     }
 
     /// The configuration of this invocation: default, then `--config`, then the flags.

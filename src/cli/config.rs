@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn_bfpp::data::{BatchConfig, BatchLayout, MarkovConfig, VOCAB_SIZE};
-use burn_bfpp::engine::{EngineConfig, EngineError, Fault};
+use burn_bfpp::engine::{EngineConfig, EngineError, Fault, NonFinitePolicy};
 use burn_bfpp::model::{GptConfig, ModelSplit};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
@@ -234,6 +234,9 @@ pub struct RunConfig {
     pub comm_timeout_s: f64,
     /// Folder for `metrics.jsonl`, `trace.json` and `timeline.svg`.
     pub out_dir: PathBuf,
+    /// A step whose loss or gradient norm is NaN or infinite: `"stop"` the run with an error
+    /// naming the step, or `"skip"` its optimizer update with a warning.
+    pub on_nonfinite: NonFinitePolicy,
 }
 
 impl Default for RunConfig {
@@ -243,6 +246,7 @@ impl Default for RunConfig {
             seed: 0,
             comm_timeout_s: 60.0,
             out_dir: PathBuf::from("bfpp-out"),
+            on_nonfinite: NonFinitePolicy::Stop,
         }
     }
 }
@@ -427,6 +431,7 @@ impl BfppConfig {
             max_grad_norm: o.max_grad_norm,
             comm_timeout: Duration::from_secs_f64(r.comm_timeout_s),
             fault,
+            on_nonfinite: r.on_nonfinite,
         };
         // Generates, lowers and validates the schedule: catches M not allowed by the schedule,
         // K not dividing M, loops for a non-looped schedule, buffers = 0, ...

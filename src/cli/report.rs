@@ -1,8 +1,8 @@
 //! What `bfpp train` tells the user: the header, the progress bar and metrics file, the
 //! timeline files, and the final summary (text or `--json`).
 
-use std::fs::File;
-use std::io::{BufWriter, IsTerminal, Write};
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufWriter, IsTerminal, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -92,31 +92,73 @@ impl Header<'_> {
 /// rather than aborting training from inside a rank.
 pub struct Progress {
     bar: ProgressBar,
-    show: bool,
+    notices: bool,
     tokens_per_step: usize,
     path: PathBuf,
     state: Mutex<MetricsState>,
 }
 
 struct MetricsState {
-    file: BufWriter<File>,
+    /// None on a process that does not learn the loss (MPI): it writes no metrics.
+    file: Option<BufWriter<File>>,
     previous_elapsed: f64,
     error: Option<std::io::Error>,
 }
 
+/// The step of a metrics line, if it is one (a line cut short by a crash is not).
+fn step_of(line: &str) -> Option<u64> {
+    serde_json::from_str::<serde_json::Value>(line)
+        .ok()?
+        .get("step")?
+        .as_u64()
+}
+
+/// Opens the metrics file for appending after keeping only its lines up to step
+/// `keep_through` (all of them in step order, up to the first line of a later step or a
+/// line cut short): a resumed run continues the file of the run it resumes without
+/// duplicate or stale steps. `keep_through = 0` starts a fresh file. The kept lines are
+/// written to a temporary file that replaces the old one, so a crash leaves one or the other.
+fn open_metrics(path: &Path, keep_through: usize) -> io::Result<File> {
+    if keep_through == 0 {
+        return File::create(path);
+    }
+    let kept: String = match std::fs::read_to_string(path) {
+        Ok(text) => text
+            .lines()
+            .take_while(|line| step_of(line).is_some_and(|s| s <= keep_through as u64))
+            .map(|line| format!("{line}\n"))
+            .collect(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e),
+    };
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept)?;
+    std::fs::rename(&tmp, path)?;
+    OpenOptions::new().append(true).open(path)
+}
+
 impl Progress {
-    /// Creates the metrics file and the bar; the bar is hidden unless `show` and standard
-    /// output is a terminal (CI logs get the summary only).
+    /// Opens the metrics file and creates the bar; the bar is hidden unless `show` and
+    /// standard output is a terminal (CI logs get the summary only). `notices` prints the
+    /// data-wrap notices on standard error when there is no bar to print them above.
+    /// `metrics` is `None` on a process that writes no metrics (under MPI only the process
+    /// that learns the loss does), else the step the run resumes after (0: a fresh run,
+    /// which truncates the file; see [`open_metrics`]).
     pub fn new(
         steps: usize,
         tokens_per_step: usize,
         path: &Path,
         show: bool,
+        notices: bool,
+        metrics: Option<usize>,
     ) -> Result<Self, TrainError> {
-        let file = File::create(path).map_err(|source| TrainError::Write {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let file = metrics
+            .map(|resumed| open_metrics(path, resumed).map(BufWriter::new))
+            .transpose()
+            .map_err(|source| TrainError::Write {
+                path: path.to_path_buf(),
+                source,
+            })?;
         let bar = if show && std::io::stdout().is_terminal() {
             let bar =
                 ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
@@ -133,18 +175,30 @@ impl Progress {
         };
         Ok(Self {
             bar,
-            show,
+            notices,
             tokens_per_step,
             path: path.to_path_buf(),
             state: Mutex::new(MetricsState {
-                file: BufWriter::new(file),
+                file,
                 previous_elapsed: 0.0,
                 error: None,
             }),
         })
     }
 
-    /// Records step `r`: one metrics line, the bar, and a note when the data wrapped around.
+    /// One line above the bar, or on standard error when there is no bar to print it above.
+    fn notice(&self, line: &str) {
+        if self.bar.is_hidden() {
+            if self.notices {
+                eprintln!("{line}");
+            }
+        } else {
+            self.bar.println(line);
+        }
+    }
+
+    /// Records step `r`: one metrics line, the bar, a notice when the data wrapped around
+    /// and a warning when the step's update was skipped.
     pub fn step(&self, r: &StepReport, epochs_started: Range<u64>) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let step_time = (r.elapsed - state.previous_elapsed).max(f64::MIN_POSITIVE);
@@ -152,27 +206,48 @@ impl Progress {
         let tokens_per_s = self.tokens_per_step as f64 / step_time;
         // Written by hand to keep the keys in this order (serde_json's map sorts them);
         // `tokens` counts the tokens trained so far, this step included.
+        // `skipped`: the update of this step was skipped (non-finite loss or gradient).
         let line = format!(
-            "{{\"step\":{},\"loss\":{},\"lr\":{},\"tokens\":{},\"tokens_per_s\":{},\"elapsed_s\":{}}}",
+            "{{\"step\":{},\"loss\":{},\"lr\":{},\"tokens\":{},\"tokens_per_s\":{},\"elapsed_s\":{},\"skipped\":{}}}",
             r.step,
             json!(r.loss),
             json!(r.lr),
             r.step * self.tokens_per_step,
             json!(tokens_per_s),
-            json!(r.elapsed)
+            json!(r.elapsed),
+            r.skipped
         );
-        if state.error.is_none() {
+        let MetricsState { file, error, .. } = &mut *state;
+        if let (Some(file), None) = (file.as_mut(), error.as_ref()) {
             // Flushed every step so a crashed or killed run still leaves its metrics.
-            let written = writeln!(state.file, "{line}").and_then(|()| state.file.flush());
+            let written = writeln!(file, "{line}").and_then(|()| file.flush());
             if let Err(e) = written {
-                state.error = Some(e);
+                *error = Some(e);
             }
         }
         drop(state);
-        if self.show {
-            for epoch in epochs_started {
-                self.bar
-                    .println(format!("dataset exhausted: starting epoch {}", epoch + 1));
+        for epoch in epochs_started {
+            // Epochs are 0-based inside, 1-based for people.
+            let text = format!(
+                "dataset exhausted at step {}: wrapping around, starting epoch {}",
+                r.step,
+                epoch + 1
+            );
+            tracing::info!(step = r.step, epoch = epoch + 1, "dataset exhausted; next epoch");
+            self.notice(&text);
+        }
+        if r.skipped {
+            tracing::warn!(step = r.step, "non-finite loss or gradient; update skipped");
+            let text = format!(
+                "warning: step {}: the loss or the gradient norm is not finite (loss {}); its \
+                 optimizer update was skipped (on_nonfinite = skip)",
+                r.step, r.loss
+            );
+            // A warning is printed even without a bar and under --json.
+            if self.bar.is_hidden() {
+                eprintln!("{text}");
+            } else {
+                self.bar.println(text);
             }
         }
         self.bar.set_position(r.step as u64);
@@ -279,6 +354,7 @@ pub struct Summary {
     entropy_rate: Option<f64>,
     files: TimelineFiles,
     metrics: PathBuf,
+    skipped_steps: Vec<usize>,
 }
 
 impl Summary {
@@ -302,14 +378,18 @@ impl Summary {
             entropy_rate,
             files,
             metrics: metrics.to_path_buf(),
+            skipped_steps: outcome.skipped_steps.clone(),
         }
     }
 
-    /// The `--json` object: exactly `losses`, `param_l2_norm`, `tokens_per_s`,
-    /// `peak_param_bytes`, `timeline_svg`, `trace_json`.
+    /// The `--json` object: exactly `losses` (`null` for a step whose loss was not
+    /// finite), `param_l2_norm`, `tokens_per_s`, `peak_param_bytes`, `timeline_svg`,
+    /// `trace_json` and `skipped_steps` (steps whose update was skipped, see
+    /// `--on-nonfinite`).
     pub fn json(&self) -> String {
         let doc = json!({
             "losses": self.losses,
+            "skipped_steps": self.skipped_steps,
             "param_l2_norm": self.param_l2_norm,
             "tokens_per_s": self.tokens_per_s,
             "peak_param_bytes": self.peak_param_bytes,
@@ -337,6 +417,14 @@ impl Summary {
                 100.0 * (last - h) / h
             );
         }
+        if !self.skipped_steps.is_empty() {
+            let list: Vec<String> = self.skipped_steps.iter().map(ToString::to_string).collect();
+            out += &format!(
+                "skipped      {} step(s) with a non-finite loss or gradient: {}\n",
+                list.len(),
+                list.join(", ")
+            );
+        }
         out += &format!(
             "throughput   {:.0} tokens/s, {:.3} s/step ({steps} steps in {:.1} s)\n",
             self.tokens_per_s, self.step_time_s, self.elapsed_s
@@ -359,5 +447,32 @@ impl Summary {
             self.files.trace.display()
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resuming_keeps_the_metrics_up_to_the_checkpoint_and_drops_the_rest() {
+        let dir = std::env::temp_dir().join(format!("bfpp-metrics-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("writable");
+        let path = dir.join(METRICS_FILE);
+        // Steps 1 to 3 and a line cut short by a crash.
+        std::fs::write(&path, "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n{\"st").expect("write");
+        let mut file = open_metrics(&path, 2).expect("opens");
+        writeln!(file, "{{\"step\":3,\"new\":true}}").expect("append");
+        drop(file);
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert_eq!(text, "{\"step\":1}\n{\"step\":2}\n{\"step\":3,\"new\":true}\n");
+        // A missing file is started afresh; a fresh run truncates.
+        std::fs::remove_file(&path).expect("remove");
+        drop(open_metrics(&path, 5).expect("creates"));
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), "");
+        std::fs::write(&path, "{\"step\":1}\n").expect("write");
+        drop(open_metrics(&path, 0).expect("truncates"));
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), "");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

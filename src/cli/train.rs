@@ -7,11 +7,12 @@
 
 use std::io;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
 use burn_bfpp::checkpoint::CheckpointError;
 use burn_bfpp::data::{load_corpus, Batcher, DataError};
-use burn_bfpp::engine::{CheckpointSink, Checkpointing, EngineError, Fault};
+use burn_bfpp::engine::{CheckpointSink, Checkpointing, EngineError, Fault, FaultKind};
 use burn_bfpp::model::{autodiff_lock, ModelError};
 use burn_bfpp::schedule::ScheduleError;
 
@@ -24,7 +25,8 @@ use super::write_output;
 /// The backend of `bfpp train`: Burn's CPU backend with autodiff.
 pub type Backend = Autodiff<Flex>;
 
-/// The environment variable that injects a fault: `rank=R,step=S[,kind=panic|error]`.
+/// The environment variable that injects a fault:
+/// `rank=R,step=S[,kind=error|panic|nan|sleep][,secs=T]` (`secs` goes with `kind=sleep`).
 pub const FAULT_ENV: &str = "BFPP_FAULT_INJECT";
 
 /// Everything `bfpp train` can fail with. Each message says what to change.
@@ -80,19 +82,21 @@ pub enum TrainError {
     },
 }
 
-/// Parses `rank=R,step=S[,kind=panic|error]` (the step is 1-based, like the engine's).
+/// Parses `rank=R,step=S[,kind=error|panic|nan|sleep][,secs=T]` (the step is 1-based, like
+/// the engine's; `kind` defaults to `error`; `sleep` needs `secs`, the others refuse it).
 pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
-    const FORMAT: &str = "expected `rank=R,step=S[,kind=panic|error]` with S >= 1, e.g. \
-                          `rank=1,step=2,kind=panic`";
+    const FORMAT: &str = "expected `rank=R,step=S[,kind=error|panic|nan|sleep][,secs=T]` with \
+                          S >= 1 (secs only with kind=sleep), e.g. `rank=1,step=2,kind=panic` \
+                          or `rank=1,step=2,kind=sleep,secs=5`";
     let bad = |why: String| TrainError::Fault(format!("{why}; {FORMAT}"));
-    let (mut rank, mut step, mut panic) = (None, None, false);
+    let (mut rank, mut step, mut kind, mut secs) = (None, None, "error", None);
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (key, value) = part
             .split_once('=')
             .ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+        let value = value.trim();
         let number = || {
             value
-                .trim()
                 .parse::<usize>()
                 .map_err(|_| bad(format!("{key} = `{value}` is not a non-negative integer")))
         };
@@ -100,17 +104,28 @@ pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
             "rank" => rank = Some(number()?),
             "step" => step = Some(number()?),
             "kind" => {
-                panic = match value.trim() {
-                    "panic" => true,
-                    "error" => false,
+                kind = match value {
+                    "error" | "panic" | "nan" | "sleep" => value,
                     other => return Err(bad(format!("unknown kind `{other}`"))),
                 }
             }
+            "secs" => match value.parse::<f64>() {
+                Ok(t) if t.is_finite() && t >= 0.0 => secs = Some(t),
+                _ => return Err(bad(format!("secs = `{value}` is not a number of seconds"))),
+            },
             other => return Err(bad(format!("unknown key `{other}`"))),
         }
     }
+    let kind = match (kind, secs) {
+        ("sleep", Some(t)) => FaultKind::Sleep(Duration::from_secs_f64(t)),
+        ("sleep", None) => return Err(bad("kind=sleep needs secs=T".into())),
+        (other, Some(_)) => return Err(bad(format!("secs goes with kind=sleep, not {other}"))),
+        ("panic", None) => FaultKind::Panic,
+        ("nan", None) => FaultKind::NonFinite,
+        _ => FaultKind::Error,
+    };
     match (rank, step) {
-        (Some(rank), Some(step)) if step >= 1 => Ok(Fault { rank, step, panic }),
+        (Some(rank), Some(step)) if step >= 1 => Ok(Fault { rank, step, kind }),
         (Some(_), Some(_)) => Err(bad("step 0 is not an optimizer step".into())),
         _ => Err(bad(format!("`{text}` lacks rank or step"))),
     }
@@ -191,11 +206,17 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
     if show {
         header.print();
     }
+    // Only the process that learns the loss writes metrics (every rank thread of a local
+    // run is in this process); a resumed run keeps the lines up to its checkpoint's step.
+    let reports_loss = ranks.reports_loss(&engine)?;
+    let resumed_at = resume.first().map_or(0, |state| state.step);
     let progress = Progress::new(
         steps,
         tokens_per_step,
         &out_dir.join(report::METRICS_FILE),
-        !(args.json || args.quiet) && ranks.reports_loss(&engine)?,
+        !(args.json || args.quiet) && reports_loss,
+        !args.quiet,
+        reports_loss.then_some(resumed_at),
     )?;
     let activation = [layout.micro_batch_size, batch.seq_len, cfg.model.hidden];
     // The engine numbers steps from 1, the batcher from 0. `plan` checked the layout against
@@ -255,11 +276,13 @@ mod tests {
     #[test]
     fn faults_parse() {
         let f = parse_fault("rank=1,step=3").expect("valid");
-        assert_eq!((f.rank, f.step, f.panic), (1, 3, false));
-        assert!(
-            parse_fault(" rank = 0 , step=1, kind=panic ")
-                .expect("valid")
-                .panic
+        assert_eq!((f.rank, f.step, f.kind), (1, 3, FaultKind::Error));
+        let kind = |text: &str| parse_fault(text).expect(text).kind;
+        assert_eq!(kind(" rank = 0 , step=1, kind=panic "), FaultKind::Panic);
+        assert_eq!(kind("rank=0,step=1,kind=nan"), FaultKind::NonFinite);
+        assert_eq!(
+            kind("rank=0,step=1,kind=sleep,secs=2.5"),
+            FaultKind::Sleep(Duration::from_millis(2500))
         );
         for bad in [
             "",
@@ -269,6 +292,10 @@ mod tests {
             "rank=1,step=1,kind=boom",
             "rank=1,step=1,when=now",
             "rank1,step=1",
+            "rank=1,step=1,kind=sleep",
+            "rank=1,step=1,kind=nan,secs=1",
+            "rank=1,step=1,kind=sleep,secs=-1",
+            "rank=1,step=1,kind=sleep,secs=soon",
         ] {
             let err = parse_fault(bad).expect_err(bad).to_string();
             assert!(err.contains("rank=R,step=S"), "{bad}: {err}");

@@ -93,6 +93,7 @@ fn config(pp: usize, loops: usize, dp: usize, zero: ZeroLevel) -> EngineConfig {
         max_grad_norm: 1.0,
         comm_timeout: Duration::from_secs(60),
         fault: None,
+        on_nonfinite: Default::default(),
     }
 }
 

@@ -11,7 +11,8 @@ use super::CommOp;
 pub enum CommError {
     /// A peer did not take part in the call within [`CommConfig::timeout`](super::CommConfig).
     #[error(
-        "rank {rank}: {action} timed out after {after:?} waiting for rank {peer} (shape {shape:?})"
+        "rank {rank}: {action} timed out after {after:?} waiting for rank {peer} (shape {shape:?}){}",
+        stalled_note(*peer, *stalled)
     )]
     Timeout {
         /// The rank that gave up waiting.
@@ -24,6 +25,11 @@ pub enum CommError {
         shape: Vec<usize>,
         /// How long it waited.
         after: Duration,
+        /// The rank holding everybody up, where the communicator can tell: the end of the
+        /// waits-for chain that starts at `peer` (`peer` itself when it was not waiting on
+        /// anybody: computing, stalled or slow). `None` when unknown (a communicator that
+        /// cannot see its peers' waits) or when the chain is a cycle (a deadlock).
+        stalled: Option<usize>,
     },
     /// Another rank failed (or aborted) first; this call stopped instead of waiting forever.
     #[error(
@@ -121,6 +127,20 @@ pub enum CommError {
         /// What is wrong.
         reason: String,
     },
+}
+
+/// The part of a timeout message that names the rank holding the run up.
+fn stalled_note(peer: usize, stalled: Option<usize>) -> String {
+    match stalled {
+        Some(s) if s == peer => {
+            format!("; rank {peer} is not waiting on anybody: it is stalled or slower than the timeout")
+        }
+        Some(s) => format!(
+            "; rank {peer} is itself waiting, and the chain of waiting ranks ends at rank {s}, \
+             which is stalled or slower than the timeout"
+        ),
+        None => String::new(),
+    }
 }
 
 /// The root cause of a failed [`run_ranks`](super::run_ranks): the first rank that failed,

@@ -9,7 +9,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -28,7 +28,13 @@ pub(crate) struct Shared {
     failure: Mutex<Option<(usize, String)>>,
     /// `departed[r]` is set when rank `r` drops its communicator.
     departed: Vec<AtomicBool>,
+    /// `waiting_on[r]` is the rank that rank `r` is blocked on right now, or [`NOT_WAITING`]:
+    /// the waits-for graph, followed on a timeout to name the rank holding everybody up.
+    waiting_on: Vec<AtomicUsize>,
 }
+
+/// `waiting_on` value of a rank that is not inside a blocking call.
+const NOT_WAITING: usize = usize::MAX;
 
 impl Shared {
     /// Records `(rank, cause)` unless a failure is already recorded, and raises the flag.
@@ -51,6 +57,43 @@ impl Shared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The rank at the end of the waits-for chain that starts at `peer`: the first rank on
+    /// it that is not blocked on anybody (computing, stalled or slow). `None` if the chain
+    /// runs into a cycle (a deadlock), where no single rank is to blame.
+    ///
+    /// The graph is read while it changes, so the answer is a snapshot; a rank that keeps
+    /// a whole world waiting past the timeout stays at the end of the chain, which is the
+    /// case this is for.
+    pub(crate) fn stalled_rank(&self, peer: usize) -> Option<usize> {
+        let mut at = peer;
+        // A chain without a cycle visits every rank at most once.
+        for _ in 0..self.waiting_on.len() {
+            match self.waiting_on.get(at)?.load(Ordering::SeqCst) {
+                NOT_WAITING => return Some(at),
+                next => at = next,
+            }
+        }
+        None
+    }
+}
+
+/// Marks a rank as blocked on a peer for as long as it lives.
+struct Waiting<'a> {
+    slot: &'a AtomicUsize,
+}
+
+impl<'a> Waiting<'a> {
+    fn on(slot: &'a AtomicUsize, peer: usize) -> Self {
+        slot.store(peer, Ordering::SeqCst);
+        Waiting { slot }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.slot.store(NOT_WAITING, Ordering::SeqCst);
     }
 }
 
@@ -111,6 +154,7 @@ impl Mailbox {
             aborted: AtomicBool::new(false),
             failure: Mutex::new(None),
             departed: (0..world).map(|_| AtomicBool::new(false)).collect(),
+            waiting_on: (0..world).map(|_| AtomicUsize::new(NOT_WAITING)).collect(),
         });
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..world).map(|_| mpsc::channel()).unzip();
         receivers
@@ -202,6 +246,7 @@ impl Mailbox {
         started: Instant,
     ) -> Result<Envelope, CommError> {
         let deadline = started + self.config.timeout;
+        let _waiting = Waiting::on(&self.shared.waiting_on[self.rank], src);
         loop {
             if let Some(env) = self.take_stashed((src, stream)) {
                 return Ok(env);
@@ -232,6 +277,7 @@ impl Mailbox {
                     action,
                     shape: shape.to_vec(),
                     after: now - started,
+                    stalled: self.shared.stalled_rank(src),
                 }));
             }
             // At least 1 ms, so that a zero poll interval cannot turn this into a spin loop.

@@ -344,6 +344,8 @@ impl<B: Backend> MpiComm<B> {
                     action,
                     shape: shape.to_vec(),
                     after,
+                    // A process cannot see what its peers are waiting on.
+                    stalled: None,
                 }));
             }
             std::thread::sleep(nap);

@@ -286,3 +286,65 @@ fn mismatched_calls_are_reported_not_hung() {
         result.err().map(|e| e.to_string())
     );
 }
+
+#[test]
+fn a_timeout_names_the_rank_at_the_end_of_the_waits_for_chain() {
+    // Rank 0 waits on rank 1, which waits on rank 2, which never communicates: rank 0 times
+    // out first (it started waiting first) and must blame rank 2, not rank 1.
+    let timeout = Duration::from_millis(300);
+    let mut comms = world(3, 1, timeout).into_iter();
+    let (c0, c1, c2) = (
+        comms.next().unwrap(),
+        comms.next().unwrap(),
+        comms.next().unwrap(),
+    );
+    let start = Instant::now();
+    let (err0, err1) = thread::scope(|scope| {
+        let h0 = scope.spawn(move || c0.recv::<1>(1, 0, [1]).unwrap_err());
+        thread::sleep(Duration::from_millis(100));
+        let h1 = scope.spawn(move || c1.recv::<1>(2, 0, [1]).unwrap_err());
+        (h0.join().unwrap(), h1.join().unwrap())
+    });
+    assert!(start.elapsed() < FAST, "took {:?}", start.elapsed());
+    assert!(
+        matches!(
+            err0,
+            CommError::Timeout {
+                rank: 0,
+                peer: 1,
+                stalled: Some(2),
+                ..
+            }
+        ),
+        "{err0}"
+    );
+    let msg = err0.to_string();
+    assert!(
+        msg.contains("chain of waiting ranks ends at rank 2"),
+        "{msg}"
+    );
+    // Rank 1 is stopped by rank 0's timeout, whose message names rank 2.
+    assert!(
+        matches!(&err1, CommError::PeerFailed { failed_rank: 0, cause, .. } if cause.contains("rank 2")),
+        "{err1}"
+    );
+    drop(c2);
+
+    // Two ranks waiting on each other: a deadlock, no single rank to blame.
+    let mut comms = world(2, 1, timeout).into_iter();
+    let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
+    let err = thread::scope(|scope| {
+        let h0 = scope.spawn(move || c0.recv::<1>(1, 0, [1]).unwrap_err());
+        let h1 = scope.spawn(move || c1.recv::<1>(0, 0, [1]).unwrap_err());
+        let (a, b) = (h0.join().unwrap(), h1.join().unwrap());
+        if matches!(a, CommError::Timeout { .. }) {
+            a
+        } else {
+            b
+        }
+    });
+    assert!(
+        matches!(err, CommError::Timeout { stalled: None, .. }),
+        "{err}"
+    );
+}

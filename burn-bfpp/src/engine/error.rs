@@ -1,5 +1,6 @@
 //! Errors of the training engine.
 
+use super::NonFiniteReport;
 use crate::comm::CommError;
 use crate::model::ModelError;
 use crate::schedule::{Action, ScheduleError};
@@ -57,6 +58,22 @@ pub enum EngineError {
     /// The optimizer rejected its inputs.
     #[error("optimizer: {0}")]
     Optimizer(String),
+    /// A step's loss or global gradient norm was NaN or infinite and the policy is
+    /// [`NonFinitePolicy::Stop`](super::NonFinitePolicy::Stop). Every rank returns this for
+    /// the same step (the decision follows a reduction every rank takes part in).
+    #[error(
+        "step {step}: {report} (reported by rank {rank}); the run stops because on_nonfinite \
+         is `stop`: look for a too-high learning rate or bad data, or set on_nonfinite = \
+         `skip` (--on-nonfinite skip) to skip such steps' updates"
+    )]
+    NonFinite {
+        /// Optimizer step (1-based).
+        step: usize,
+        /// The world rank returning the error.
+        rank: usize,
+        /// Where the non-finite values were seen.
+        report: NonFiniteReport,
+    },
     /// A checkpoint could not be written or restored; the text names the file and problem.
     #[error("checkpoint: {0}")]
     Checkpoint(String),

@@ -10,6 +10,7 @@ use std::time::Instant;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
+use super::nonfinite::{NonFinitePolicy, NonFiniteReport, GRADIENT, LOSS};
 use super::shard::ShardLayout;
 use super::snapshot::StageState;
 use super::{EngineError, TimedEvent};
@@ -203,6 +204,17 @@ pub(crate) struct ExecutorSettings {
     /// Shape of every activation passed between stages.
     pub(crate) activation_shape: [usize; 3],
     pub(crate) max_grad_norm: f64,
+    /// What a step with a non-finite loss or gradient norm does.
+    pub(crate) on_nonfinite: NonFinitePolicy,
+}
+
+/// What one optimizer step produced on a rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct StepOutcome {
+    /// The step's mean loss over the global batch, on ranks holding the last stage.
+    pub(crate) loss: Option<f64>,
+    /// Whether the update was skipped (non-finite loss or gradient norm, policy `skip`).
+    pub(crate) skipped: bool,
 }
 
 /// One rank's interpreter and its state.
@@ -226,6 +238,8 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     epoch: Instant,
     /// Highest [`LocalStage::param_bytes`] total seen.
     pub(crate) peak_param_bytes: usize,
+    /// Make this step's losses and gradients NaN (an injected fault, for tests).
+    pub(crate) poison: bool,
 }
 
 impl<'c, B, S, C> RankExecutor<'c, B, S, C>
@@ -263,6 +277,7 @@ where
             events: Vec::new(),
             epoch,
             peak_param_bytes: 0,
+            poison: false,
         };
         exec.note_memory();
         exec
@@ -294,14 +309,14 @@ where
     }
 
     /// Run the rank's program for one optimizer step (1-based `step`) and update the owned
-    /// shards with learning rate `lr`. Returns the step's mean loss on ranks holding the last
-    /// stage.
+    /// shards with learning rate `lr` (unless the step is not finite and the policy skips
+    /// it). Returns the step's mean loss on ranks holding the last stage.
     pub(crate) fn step(
         &mut self,
         step: usize,
         lr: f64,
         batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
-    ) -> Result<Option<f64>, EngineError> {
+    ) -> Result<StepOutcome, EngineError> {
         self.losses.clear();
         let program = std::mem::take(&mut self.program);
         let result: Result<(), EngineError> = program.iter().try_for_each(|&action| {
@@ -324,8 +339,11 @@ where
         });
         self.program = program;
         result?;
-        self.optimizer_step(lr)?;
-        self.step_loss()
+        let skipped = self.optimizer_step(step, lr)?;
+        Ok(StepOutcome {
+            loss: self.step_loss()?,
+            skipped,
+        })
     }
 
     fn run(
@@ -414,7 +432,10 @@ where
         let autodiff = autodiff_lock();
         let (out, loss) = match &output {
             StageOutput::Hidden(h) => (Some(h.clone().inner()), None),
-            StageOutput::Loss(l) => (None, Some(l.clone().into_scalar().elem::<f64>())),
+            StageOutput::Loss(l) => {
+                let loss = l.clone().into_scalar().elem::<f64>();
+                (None, Some(if self.poison { f64::NAN } else { loss }))
+            }
         };
         let saved = if self.settings.recompute {
             drop((module, leaf, output));
@@ -508,6 +529,7 @@ where
         let out_grad = self.out_grads.remove(&(s, m));
         let scale = 1.0 / self.settings.microbatches as f64;
         let local_prev = s > 0 && self.local(s - 1);
+        let poison = self.poison;
         let autodiff = autodiff_lock();
         let grads = match &output {
             StageOutput::Loss(loss) => loss_backward(loss, scale),
@@ -522,7 +544,10 @@ where
         };
         let in_grad = leaf.as_ref().map(|leaf| input_grad(leaf, &grads));
         let stage = self.stage_mut(s)?;
-        let flat = pad(flatten_grads(&module, &grads), stage.layout.padded);
+        let mut flat = pad(flatten_grads(&module, &grads), stage.layout.padded);
+        if poison {
+            flat = flat.mul_scalar(f32::NAN);
+        }
         // Autodiff values are dropped under the lock too: dropping touches the registry.
         drop((grads, output, leaf, module));
         drop(autodiff);
@@ -573,26 +598,66 @@ where
         Ok(())
     }
 
-    /// Clip by the global gradient norm and update every owned shard.
-    fn optimizer_step(&mut self, lr: f64) -> Result<(), EngineError> {
-        let local_sq: f64 = self
+    /// Clip by the global gradient norm and update every owned shard; returns whether the
+    /// update was skipped.
+    ///
+    /// The squared norm travels with the non-finite flags (see [`super::nonfinite`]) in one
+    /// all-reduce per group, so every rank learns the same norm and the same flags and takes
+    /// the same decision.
+    fn optimizer_step(&mut self, step: usize, lr: f64) -> Result<bool, EngineError> {
+        let stage_sq: Vec<f64> = self
             .stages
             .iter()
             .map(|st| st.grad_owned.as_ref().map_or(0.0, sq_norm))
-            .sum();
+            .collect();
+        let local_sq: f64 = stage_sq.iter().sum();
+        let num_stages = self.settings.num_stages;
+        let dp = self.comm.grid().dp();
+        // Slot 0: the squared norm; then one flag per (replica, stage), written by its holder.
+        let mut values = vec![0.0f32; 1 + dp * num_stages];
+        values[0] = local_sq as f32;
+        let last = num_stages - 1;
+        let loss_bad = self.losses.iter().any(|l| !l.is_finite());
+        for (st, sq) in self.stages.iter().zip(&stage_sq) {
+            let slot = 1 + self.dp_index * num_stages + st.index;
+            if !sq.is_finite() {
+                values[slot] += GRADIENT;
+            }
+            if st.index == last && loss_bad {
+                values[slot] += LOSS;
+            }
+        }
         // Every parameter value is owned once per pipeline replica at ZeRO-0 and once
-        // globally above: sum over the pipeline, and above ZeRO-0 over the replicas too.
+        // globally above: sum the norm over the pipeline, and above ZeRO-0 over the replicas
+        // too. At ZeRO-0 the replicas hold the same norm, so only replica 0 contributes it to
+        // the data-parallel sum (x + 0 + … + 0 = x exactly), which the flags need anyway.
         let device = self.comm.device().clone();
-        let mut total = Tensor::<Inner<B>, 1>::from_floats([local_sq as f32], &device);
+        let len = values.len();
+        let mut total = Tensor::<Inner<B>, 1>::from_data(TensorData::new(values, [len]), &device);
         total = self
             .comm
             .all_reduce(Group::Pipeline, total, ReduceOp::Sum)?;
-        if self.settings.zero != ZeroLevel::Zero0 {
-            total = self
-                .comm
-                .all_reduce(Group::DataParallel, total, ReduceOp::Sum)?;
+        if self.settings.zero == ZeroLevel::Zero0 && self.dp_index != 0 {
+            total = total.slice_fill([0..1], 0.0);
         }
-        let total_sq: f64 = total.into_scalar().elem();
+        total = self
+            .comm
+            .all_reduce(Group::DataParallel, total, ReduceOp::Sum)?;
+        let reduced = total
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| EngineError::Optimizer(format!("gradient norm: {e:?}")))?;
+        let total_sq = f64::from(reduced[0]);
+        let report = NonFiniteReport::from_flags(
+            &reduced[1..],
+            self.comm.grid(),
+            &self.settings.stage_ranks,
+            total_sq.is_finite(),
+        );
+        if report.any() {
+            return self.non_finite_step(step, report);
+        }
         let coefficient = clip_coefficient(total_sq, self.settings.max_grad_norm);
         for stage in &mut self.stages {
             let grad = stage.grad_owned.take().ok_or(EngineError::Missing {
@@ -609,7 +674,26 @@ where
                 stage.refill(stage.owned.clone())?;
             }
         }
-        Ok(())
+        Ok(false)
+    }
+
+    /// Carries out the non-finite policy for `step`, identically on every rank: stop with an
+    /// error, or drop the step's gradients and report the update as skipped.
+    fn non_finite_step(&mut self, step: usize, report: NonFiniteReport) -> Result<bool, EngineError> {
+        let rank = self.comm.rank();
+        match self.settings.on_nonfinite {
+            NonFinitePolicy::Stop => Err(EngineError::NonFinite { step, rank, report }),
+            NonFinitePolicy::Skip => {
+                for stage in &mut self.stages {
+                    stage.grad_owned = None;
+                }
+                // Every rank knows; one says it.
+                if rank == 0 {
+                    tracing::warn!(step, %report, "optimizer update skipped (on_nonfinite = skip)");
+                }
+                Ok(true)
+            }
+        }
     }
 
     /// The step's mean loss over every micro-batch of every replica, on last-stage ranks.

@@ -11,6 +11,7 @@ mod error;
 mod executor;
 #[cfg(feature = "mpi")]
 mod multiprocess;
+mod nonfinite;
 mod profile;
 mod rank;
 mod shard;
@@ -24,6 +25,7 @@ use burn::tensor::backend::AutodiffBackend;
 pub use error::EngineError;
 #[cfg(feature = "mpi")]
 pub use multiprocess::train_mpi;
+pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
 pub use profile::StepProfile;
 pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
@@ -57,8 +59,23 @@ pub struct Fault {
     pub rank: usize,
     /// Optimizer step (1-based) at whose start it fails.
     pub step: usize,
-    /// Panic instead of returning an error.
-    pub panic: bool,
+    /// What goes wrong.
+    pub kind: FaultKind,
+}
+
+/// What an injected [`Fault`] does to its rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// Return [`EngineError::InjectedFault`] at the start of the step.
+    Error,
+    /// Panic at the start of the step.
+    Panic,
+    /// Make the rank's losses (if it holds the last stage) and its gradients NaN in that step,
+    /// as a diverging or overflowing step would: exercises the [`NonFinitePolicy`].
+    NonFinite,
+    /// Sleep this long at the start of the step, then carry on: a rank slower than the
+    /// communication timeout, which its peers must name when they give up.
+    Sleep(Duration),
 }
 
 /// The parallel layout and the optimization settings of a run.
@@ -94,6 +111,8 @@ pub struct EngineConfig {
     pub max_grad_norm: f64,
     /// Timeout of every blocking communication.
     pub comm_timeout: Duration,
+    /// What a step with a NaN or infinite loss or gradient norm does: stop or skip.
+    pub on_nonfinite: NonFinitePolicy,
     /// A fault to inject (tests).
     pub fault: Option<Fault>,
 }
@@ -142,6 +161,9 @@ pub struct StepReport {
     pub lr: f64,
     /// Seconds since the run started.
     pub elapsed: f64,
+    /// Whether the optimizer update of this step was skipped because its loss or gradient
+    /// norm was not finite ([`NonFinitePolicy::Skip`]).
+    pub skipped: bool,
 }
 
 /// What a run produced.
@@ -157,6 +179,9 @@ pub struct TrainOutcome<M> {
     pub peak_param_bytes: Vec<usize>,
     /// Wall-clock time of the training steps.
     pub elapsed: Duration,
+    /// Steps (1-based) whose update was skipped because their loss or gradient norm was not
+    /// finite ([`NonFinitePolicy::Skip`]); their entry in `losses` may be NaN.
+    pub skipped_steps: Vec<usize>,
 }
 
 /// A rank's stages, waiting for its thread to take them.
@@ -261,6 +286,8 @@ where
         .iter()
         .map(|l| l.unwrap_or(f64::NAN))
         .collect();
+    // Every rank took the same skip decisions; rank 0's list is everybody's.
+    let skipped_steps = results[0].skipped_steps.clone();
     let mut stages: Vec<(usize, M::Stage)> = Vec::new();
     let mut timelines = Vec::new();
     let mut peak_param_bytes = Vec::new();
@@ -280,5 +307,6 @@ where
         timelines,
         peak_param_bytes,
         elapsed,
+        skipped_steps,
     })
 }

@@ -115,6 +115,8 @@ where
     };
     let outcome = train_rank(comm, &plan, stages, &batch, &on_step)?;
     let elapsed = epoch.elapsed();
+    // Every rank took the same skip decisions (they follow a world-wide reduction).
+    let skipped_steps = outcome.skipped_steps.clone();
 
     let report = RankReport {
         losses: outcome.losses.iter().map(|l| l.map(f64::to_bits)).collect(),
@@ -226,5 +228,6 @@ where
         timelines,
         peak_param_bytes,
         elapsed,
+        skipped_steps,
     }))
 }

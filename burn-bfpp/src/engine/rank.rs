@@ -7,7 +7,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::executor::{ExecutorSettings, LocalStage, RankExecutor};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
-use super::{EngineConfig, EngineError, StepReport, TimedEvent};
+use super::{EngineConfig, EngineError, FaultKind, StepReport, TimedEvent};
 use crate::comm::{Communicator, Group};
 use crate::model::{split_model, MicroBatch, PipelineModel, PipelineStage};
 use crate::schedule::PipelineSchedule;
@@ -38,6 +38,9 @@ pub struct RankOutcome<S> {
     pub events: Vec<TimedEvent>,
     /// Highest bytes of parameter values the rank held.
     pub peak_param_bytes: usize,
+    /// Steps whose update was skipped (non-finite loss or gradient norm); the same on every
+    /// rank.
+    pub skipped_steps: Vec<usize>,
 }
 
 /// The stages pipeline rank `pp_index` holds under `program`, cut from `model`.
@@ -135,29 +138,37 @@ where
         stage_ranks: plan.program.stage_ranks.clone(),
         activation_shape: plan.activation_shape,
         max_grad_norm: cfg.max_grad_norm,
+        on_nonfinite: cfg.on_nonfinite,
     };
     let list = plan.program.ranks[pp_index].clone();
     let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch);
     let mut losses = Vec::with_capacity(plan.steps.saturating_sub(start));
+    let mut skipped_steps = Vec::new();
     for step in start + 1..=plan.steps {
-        if let Some(f) = cfg.fault.filter(|f| f.rank == rank && f.step == step) {
-            if f.panic {
-                panic!("injected panic on rank {rank} at step {step}");
-            }
-            return Err(EngineError::InjectedFault { rank, step });
+        let fault = cfg.fault.filter(|f| f.rank == rank && f.step == step);
+        match fault.map(|f| f.kind) {
+            Some(FaultKind::Panic) => panic!("injected panic on rank {rank} at step {step}"),
+            Some(FaultKind::Error) => return Err(EngineError::InjectedFault { rank, step }),
+            Some(FaultKind::Sleep(pause)) => std::thread::sleep(pause),
+            Some(FaultKind::NonFinite) | None => {}
         }
+        exec.poison = fault.is_some_and(|f| f.kind == FaultKind::NonFinite);
         let lr = cfg.lr.lr(step);
         let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb);
-        let loss = exec.step(step, lr, &data)?;
-        if let (Some(loss), 0) = (loss, dp_index) {
+        let outcome = exec.step(step, lr, &data)?;
+        if outcome.skipped {
+            skipped_steps.push(step);
+        }
+        if let (Some(loss), 0) = (outcome.loss, dp_index) {
             on_step(&StepReport {
                 step,
                 loss,
                 lr,
                 elapsed: plan.epoch.elapsed().as_secs_f64(),
+                skipped: outcome.skipped,
             });
         }
-        losses.push(loss);
+        losses.push(outcome.loss);
         if checkpointing.due(step, plan.steps) {
             save_rank(comm, &exec, step, checkpointing)?;
         }
@@ -168,5 +179,6 @@ where
         stages: finished.stages,
         events: finished.events,
         peak_param_bytes: finished.peak_param_bytes,
+        skipped_steps,
     })
 }

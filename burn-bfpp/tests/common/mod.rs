@@ -172,5 +172,6 @@ pub fn config(
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(60),
         fault: None,
+        on_nonfinite: Default::default(),
     }
 }

@@ -1,0 +1,159 @@
+//! Failure handling of the engine beyond errors and panics: a step whose loss or gradient is
+//! NaN (both policies), and a rank slower than the communication timeout.
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use burn_bfpp::engine::{
+    train_local, train_local_with, CheckpointSink, Checkpointing, EngineError, Fault, FaultKind,
+    NonFinitePolicy, RankState, SeenOn,
+};
+use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
+use common::*;
+
+fn activation() -> [usize; 3] {
+    [MBS, gpt_config().seq_len, gpt_config().hidden]
+}
+
+/// Keeps every rank's saved state in memory.
+#[derive(Default)]
+struct MemorySink {
+    states: Mutex<Vec<(usize, RankState)>>,
+}
+
+impl CheckpointSink for MemorySink {
+    fn write_rank(&self, rank: usize, state: &RankState) -> Result<(), String> {
+        self.states
+            .lock()
+            .map_err(|e| e.to_string())?
+            .push((rank, state.clone()));
+        Ok(())
+    }
+
+    fn commit(&self, _step: usize) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_skipped_step_leaves_weights_and_optimizer_state_untouched_on_every_rank() {
+    let base = model();
+    // ZeRO-0 with two replicas: the norm's data-parallel sum counts replica 0 only.
+    for zero in [ZeroLevel::Zero0, ZeroLevel::Zero3] {
+        let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, zero);
+        let clean = train_local(&base, &cfg, 1, activation(), batch, |_| {}).expect("runs");
+
+        // World rank 2 (pipeline rank 0 of replica 1) holds no last stage: only its
+        // gradients are poisoned, and the data-parallel reduction spreads them.
+        cfg.fault = Some(Fault {
+            rank: 2,
+            step: 2,
+            kind: FaultKind::NonFinite,
+        });
+        cfg.on_nonfinite = NonFinitePolicy::Skip;
+        let reported = Mutex::new(Vec::new());
+        let sink = MemorySink::default();
+        let saving = Checkpointing {
+            every: 2,
+            sink: Some(&sink),
+            ..Checkpointing::default()
+        };
+        let skipped = train_local_with(
+            &base,
+            &cfg,
+            2,
+            activation(),
+            batch,
+            |r| reported.lock().expect("lock").push((r.step, r.skipped)),
+            saving,
+        )
+        .expect("a skipped step does not stop the run");
+        assert_eq!(skipped.skipped_steps, vec![2], "{zero:?}");
+        assert_eq!(
+            reported.into_inner().expect("lock"),
+            vec![(1, false), (2, true)]
+        );
+        assert_eq!(skipped.losses[0].to_bits(), clean.losses[0].to_bits());
+        // Only gradients were poisoned: the step's loss (of the step-1 weights) is finite.
+        assert!(skipped.losses[1].is_finite(), "{:?}", skipped.losses);
+        // Step 2 changed nothing: the weights are those after step 1, bit for bit ...
+        assert_eq!(params(&skipped.model), params(&clean.model), "{zero:?}");
+        // ... and no rank's AdamW advanced its step count past step 1.
+        let states = sink.states.into_inner().expect("lock");
+        assert_eq!(states.len(), 4, "every rank saved step 2");
+        for (rank, state) in &states {
+            for stage in &state.stages {
+                assert_eq!(stage.optimizer_steps, 1, "rank {rank} stage {}", stage.stage);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_non_finite_loss_stops_every_rank_naming_the_step_and_the_rank() {
+    let base = model();
+    let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero1);
+    cfg.comm_timeout = Duration::from_secs(30);
+    // World rank 3 holds the last stage (3) of replica 1: its losses become NaN.
+    cfg.fault = Some(Fault {
+        rank: 3,
+        step: 2,
+        kind: FaultKind::NonFinite,
+    });
+    let steps_seen = Mutex::new(Vec::new());
+    let start = Instant::now();
+    let err = train_local(&base, &cfg, STEPS, activation(), batch, |r| {
+        steps_seen.lock().expect("lock").push(r.step)
+    })
+    .expect_err("the default policy stops");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}: some rank waited for the timeout",
+        start.elapsed()
+    );
+    match &err {
+        EngineError::NonFinite { step, report, .. } => {
+            assert_eq!(*step, 2);
+            assert!(
+                report.loss.contains(&SeenOn { rank: 3, stage: 3 }),
+                "{report:?}"
+            );
+        }
+        other => panic!("expected NonFinite, got {other}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("step 2") && msg.contains("rank 3 (stage 3)"),
+        "{msg}"
+    );
+    assert_eq!(steps_seen.into_inner().expect("lock"), vec![1]);
+}
+
+#[test]
+fn a_rank_slower_than_the_timeout_is_named_by_the_ranks_that_give_up() {
+    let base = model();
+    let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
+    cfg.comm_timeout = Duration::from_millis(500);
+    let sleep = Duration::from_secs(2);
+    cfg.fault = Some(Fault {
+        rank: 1,
+        step: 2,
+        kind: FaultKind::Sleep(sleep),
+    });
+    let start = Instant::now();
+    let err = train_local(&base, &cfg, STEPS, activation(), batch, |_| {})
+        .expect_err("a stalled rank stops the run");
+    let took = start.elapsed();
+    // Every rank stops once the sleeper wakes (its next call fails at once).
+    assert!(took < sleep + Duration::from_secs(5), "took {took:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("timed out"), "{msg}");
+    assert!(
+        msg.contains("waiting for rank 1 (")
+            && msg.contains("rank 1 is not waiting on anybody")
+            || msg.contains("ends at rank 1,"),
+        "the message must name rank 1 as the stalled one: {msg}"
+    );
+}
