@@ -181,6 +181,7 @@ fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Error> 
         max_grad_norm: 1.0,
         comm_timeout: Duration::from_secs(600),
         fault: None,
+        on_nonfinite: Default::default(),
     };
     let program = cfg.program()?;
     // Predict first: a layout the simulator cannot cost is refused before any training.

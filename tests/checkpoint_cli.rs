@@ -132,7 +132,10 @@ fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect();
-    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().expect("step")).collect();
+    let steps: Vec<u64> = lines
+        .iter()
+        .map(|l| l["step"].as_u64().expect("step"))
+        .collect();
     assert_eq!(steps, [1, 2, 3, 4], "{metrics}");
     assert_eq!(lines[0]["loss"].as_f64(), Some(full_losses[0]));
     assert_eq!(lines[2]["loss"].as_f64(), Some(got[0]));

@@ -375,7 +375,15 @@ fn a_nan_step_is_skipped_with_a_warning_under_the_skip_policy() {
     let file = dir.join("skip.toml");
     std::fs::write(&file, "[run]\non_nonfinite = \"skip\"\n").expect("writable");
     let file = file.to_str().expect("UTF-8");
-    let args = ["--config", file, "--steps", "3", "--microbatches", "2", "--json"];
+    let args = [
+        "--config",
+        file,
+        "--steps",
+        "3",
+        "--microbatches",
+        "2",
+        "--json",
+    ];
     let fault = [("BFPP_FAULT_INJECT", "rank=1,step=2,kind=nan")];
     let out = train("nan-skip", &args, &fault);
     let doc = json_of(&out);
@@ -413,7 +421,10 @@ fn a_rank_slower_than_the_timeout_stops_the_run_naming_it() {
     );
     let took = start.elapsed();
     let err = stderr(&out);
-    assert!(!out.status.success(), "a stalled rank must fail the run: {err}");
+    assert!(
+        !out.status.success(),
+        "a stalled rank must fail the run: {err}"
+    );
     // The others give up after 1 s; the run ends when the sleeper wakes and is told.
     assert!(took < sleep + Duration::from_secs(10), "took {took:?}");
     assert!(err.contains("timed out"), "{err}");

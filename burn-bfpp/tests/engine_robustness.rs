@@ -85,7 +85,11 @@ fn a_skipped_step_leaves_weights_and_optimizer_state_untouched_on_every_rank() {
         assert_eq!(states.len(), 4, "every rank saved step 2");
         for (rank, state) in &states {
             for stage in &state.stages {
-                assert_eq!(stage.optimizer_steps, 1, "rank {rank} stage {}", stage.stage);
+                assert_eq!(
+                    stage.optimizer_steps, 1,
+                    "rank {rank} stage {}",
+                    stage.stage
+                );
             }
         }
     }
@@ -151,8 +155,7 @@ fn a_rank_slower_than_the_timeout_is_named_by_the_ranks_that_give_up() {
     let msg = err.to_string();
     assert!(msg.contains("timed out"), "{msg}");
     assert!(
-        msg.contains("waiting for rank 1 (")
-            && msg.contains("rank 1 is not waiting on anybody")
+        msg.contains("waiting for rank 1 (") && msg.contains("rank 1 is not waiting on anybody")
             || msg.contains("ends at rank 1,"),
         "the message must name rank 1 as the stalled one: {msg}"
     );

@@ -233,7 +233,11 @@ impl Progress {
                 r.step,
                 epoch + 1
             );
-            tracing::info!(step = r.step, epoch = epoch + 1, "dataset exhausted; next epoch");
+            tracing::info!(
+                step = r.step,
+                epoch = epoch + 1,
+                "dataset exhausted; next epoch"
+            );
             self.notice(&text);
         }
         if r.skipped {
@@ -465,7 +469,10 @@ mod tests {
         writeln!(file, "{{\"step\":3,\"new\":true}}").expect("append");
         drop(file);
         let text = std::fs::read_to_string(&path).expect("read");
-        assert_eq!(text, "{\"step\":1}\n{\"step\":2}\n{\"step\":3,\"new\":true}\n");
+        assert_eq!(
+            text,
+            "{\"step\":1}\n{\"step\":2}\n{\"step\":3,\"new\":true}\n"
+        );
         // A missing file is started afresh; a fresh run truncates.
         std::fs::remove_file(&path).expect("remove");
         drop(open_metrics(&path, 5).expect("creates"));

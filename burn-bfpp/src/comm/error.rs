@@ -133,7 +133,9 @@ pub enum CommError {
 fn stalled_note(peer: usize, stalled: Option<usize>) -> String {
     match stalled {
         Some(s) if s == peer => {
-            format!("; rank {peer} is not waiting on anybody: it is stalled or slower than the timeout")
+            format!(
+                "; rank {peer} is not waiting on anybody: it is stalled or slower than the timeout"
+            )
         }
         Some(s) => format!(
             "; rank {peer} is itself waiting, and the chain of waiting ranks ends at rank {s}, \

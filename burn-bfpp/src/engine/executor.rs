@@ -638,7 +638,7 @@ where
             .comm
             .all_reduce(Group::Pipeline, total, ReduceOp::Sum)?;
         if self.settings.zero == ZeroLevel::Zero0 && self.dp_index != 0 {
-            total = total.slice_fill([0..1], 0.0);
+            total = total.slice_fill(0..1, 0.0);
         }
         total = self
             .comm
@@ -679,7 +679,11 @@ where
 
     /// Carries out the non-finite policy for `step`, identically on every rank: stop with an
     /// error, or drop the step's gradients and report the update as skipped.
-    fn non_finite_step(&mut self, step: usize, report: NonFiniteReport) -> Result<bool, EngineError> {
+    fn non_finite_step(
+        &mut self,
+        step: usize,
+        report: NonFiniteReport,
+    ) -> Result<bool, EngineError> {
         let rank = self.comm.rank();
         match self.settings.on_nonfinite {
             NonFinitePolicy::Stop => Err(EngineError::NonFinite { step, rank, report }),

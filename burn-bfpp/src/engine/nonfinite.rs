@@ -199,7 +199,10 @@ mod tests {
             vec![SeenOn { rank: 1, stage: 3 }, SeenOn { rank: 2, stage: 2 }]
         );
         let text = report.to_string();
-        assert!(text.contains("non-finite loss on rank 1 (stage 3)"), "{text}");
+        assert!(
+            text.contains("non-finite loss on rank 1 (stage 3)"),
+            "{text}"
+        );
         assert!(text.contains("rank 2 (stage 2)"), "{text}");
 
         let clean = NonFiniteReport::from_flags(&[0.0; 8], grid, &stage_ranks, true);
