@@ -36,6 +36,12 @@ use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, Reduce
 /// The one MPI tag all messages use: streams are told apart by the message header.
 const MPI_TAG: i32 = 17;
 
+/// Longest sleep between two polls of a waiting receive (see [`MpiComm::wait`]).
+const MAX_NAP: Duration = Duration::from_micros(200);
+
+/// Polls a waiting receive makes, yielding the core in between, before it starts sleeping.
+const YIELDING_POLLS: u32 = 32;
+
 /// How long a dropped communicator waits for its last sends (abort notices above all) to
 /// leave before giving up on them.
 const FLUSH_LIMIT: Duration = Duration::from_secs(5);
@@ -311,10 +317,13 @@ impl<B: Backend> MpiComm<B> {
         shape: &[usize],
     ) -> Result<Payload, CommError> {
         let start = Instant::now();
-        // Back off from yielding to sleeping: messages usually arrive within microseconds,
-        // but ranks share cores with compute, so a waiting rank must not spin for long.
+        // Yield a little, then back off to short sleeps: messages usually arrive within
+        // microseconds, but ranks share cores with compute, so a waiting rank must not spin
+        // for long. The naps stay short because a message noticed late is pipeline time
+        // lost: on the critical path every receive would add up to one nap.
+        let mut polls = 0u32;
         let mut nap = Duration::from_micros(20);
-        let max_nap = self.config.poll_interval.min(Duration::from_millis(2));
+        let max_nap = self.config.poll_interval.min(MAX_NAP);
         loop {
             self.check(action, shape)?;
             let found = self
@@ -348,8 +357,13 @@ impl<B: Backend> MpiComm<B> {
                     stalled: None,
                 }));
             }
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(max_nap);
+            polls += 1;
+            if polls <= YIELDING_POLLS {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(max_nap);
+            }
         }
     }
 

@@ -3,7 +3,7 @@
 //! assembles the same [`TrainOutcome`] as [`super::train_local`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
@@ -29,6 +29,17 @@ struct RankReport {
     /// `(step, start bits, end bits, action)`.
     events: Vec<(usize, u64, u64, String)>,
     peak_param_bytes: usize,
+    /// The rank's time zero on the system clock, nanoseconds since the Unix epoch: rank 0
+    /// moves every rank's events onto its own time zero with it.
+    epoch_unix_ns: u64,
+}
+
+/// Now on the system clock, nanoseconds since the Unix epoch (0 on a clock set before it).
+fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
 }
 
 fn comm_err(e: CommError) -> EngineError {
@@ -101,11 +112,14 @@ where
     let grid = comm.grid();
     let rank = comm.rank();
     let stages = stages_for_rank(model, cfg, &program, grid.pp_index(rank))?;
-    // A world barrier (pipeline, then data-parallel) so that every rank's time zero is the
-    // same instant, give or take a message latency.
+    // A world barrier (pipeline, then data-parallel) so that the ranks start together. Their
+    // time zeros still differ by the barrier's latency; the system clock, read together with
+    // the monotonic one, lets rank 0 put every timeline on one axis (exactly on one machine,
+    // to the clocks' synchronisation across machines).
     comm.barrier(Group::Pipeline).map_err(comm_err)?;
     comm.barrier(Group::DataParallel).map_err(comm_err)?;
     let epoch = Instant::now();
+    let epoch_unix_ns = unix_ns();
     let plan = RankPlan {
         cfg,
         program: &program,
@@ -133,6 +147,7 @@ where
             })
             .collect(),
         peak_param_bytes: outcome.peak_param_bytes,
+        epoch_unix_ns,
     };
     let bytes = serde_json::to_vec(&report)
         .map_err(|e| EngineError::RankFailure(format!("rank {rank}: report: {e}")))?;
@@ -202,6 +217,8 @@ where
     let mut timelines = Vec::with_capacity(reports.len());
     let mut peak_param_bytes = Vec::with_capacity(reports.len());
     for (peer, r) in reports.into_iter().enumerate() {
+        // Seconds from rank 0's time zero to this rank's.
+        let shift = (r.epoch_unix_ns as f64 - epoch_unix_ns as f64) * 1e-9;
         let events = r
             .events
             .into_iter()
@@ -214,8 +231,8 @@ where
                 Ok(TimedEvent {
                     step,
                     action,
-                    start: f64::from_bits(start),
-                    end: f64::from_bits(end),
+                    start: f64::from_bits(start) + shift,
+                    end: f64::from_bits(end) + shift,
                 })
             })
             .collect::<Result<Vec<_>, EngineError>>()?;

@@ -79,10 +79,21 @@ pub(super) fn check_costs(costs: &CostTable, stages: usize, n: usize) -> Result<
             "cost table field `{name}` has {len} entries but the schedule has {stages} stages"
         )));
     }
-    if costs.optimizer.len() != n {
+    for (name, len) in [
+        ("optimizer", costs.optimizer.len()),
+        ("start", costs.start.len()),
+    ] {
+        if len != n {
+            return Err(SimError::Config(format!(
+                "cost table field `{name}` has {len} entries but the schedule has {n} ranks"
+            )));
+        }
+    }
+    if let Some(r) = costs.start.iter().position(|t| !t.is_finite() || *t < 0.0) {
         return Err(SimError::Config(format!(
-            "cost table field `optimizer` has {} entries but the schedule has {n} ranks",
-            costs.optimizer.len()
+            "cost table field `start` of rank {r} is {}; start times are finite and not \
+             negative",
+            costs.start[r]
         )));
     }
     Ok(())

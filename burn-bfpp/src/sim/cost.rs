@@ -84,6 +84,9 @@ pub struct CostTable {
     pub activation_bytes: Vec<u64>,
     /// Optimizer step of each pipeline rank.
     pub optimizer: Vec<f64>,
+    /// When each pipeline rank starts the step (0 for all by default): a measured run's
+    /// ranks do not start together, and replaying it needs their real start times.
+    pub start: Vec<f64>,
     /// Model FLOPs of one step of one replica (0 for `unit`).
     pub step_model_flops: f64,
     /// Tokens one replica processes per step.
@@ -122,6 +125,7 @@ impl CostTable {
                     parameters: vec![u.stage_parameters; stages],
                     activation_bytes: vec![u.stage_activation_bytes; stages],
                     optimizer: vec![0.0; num_ranks],
+                    start: vec![0.0; num_ranks],
                     step_model_flops: 0.0,
                     tokens_per_step: (microbatches * cfg.micro_batch_size) as f64,
                 })
@@ -144,6 +148,7 @@ impl CostTable {
                     parameters: Vec::with_capacity(stages),
                     activation_bytes: Vec::with_capacity(stages),
                     optimizer: vec![0.0; num_ranks],
+                    start: vec![0.0; num_ranks],
                     step_model_flops: g.step_model_flops(microbatches * b),
                     tokens_per_step: (microbatches * b * g.sequence) as f64,
                 };

@@ -18,7 +18,7 @@ use super::check::{check_costs, check_schedule};
 use super::cost::CostTable;
 use super::memory::{static_bytes, static_weight_elements, Ledger};
 use super::result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem};
-use super::{SimConfig, SimError};
+use super::{Execution, SimConfig, SimError};
 
 const UNKNOWN: f64 = f64::NAN;
 
@@ -64,6 +64,8 @@ struct Engine<'a> {
     /// Per-action durations that replace the table's per-stage figures.
     measured: Option<&'a ActionDurations>,
     zero: ZeroLevel,
+    /// One stream per rank ([`Execution::Serial`]).
+    serial: bool,
     elem: u64,
     mbs: usize,
     f_end: Vec<f64>,
@@ -291,6 +293,11 @@ impl Engine<'_> {
         if arrived.is_nan() {
             return Ok(Step::Blocked);
         }
+        if self.serial {
+            // The rank's one thread waits for the message, then unpacks it.
+            let st = &mut self.ranks[rank];
+            st.compute_free = st.compute_free.max(arrived) + duration(self.measured, a, 0.0);
+        }
         self.ranks[rank].trace.p2p.push(Interval {
             item: TraceItem::Action(a),
             start: sent,
@@ -376,6 +383,17 @@ impl Engine<'_> {
 
     /// Run the head of `rank`'s list; `Some(peer)` when a send may have unblocked `peer`.
     fn step(&mut self, rank: usize, a: Action) -> Result<(Step, Option<usize>), SimError> {
+        let outcome = self.run_action(rank, a)?;
+        if self.serial && matches!(outcome.0, Step::Ran) {
+            // Whatever stream the action used, the rank's next action starts after it.
+            let st = &mut self.ranks[rank];
+            let t = st.compute_free.max(st.send_free).max(st.dp_free);
+            (st.compute_free, st.send_free, st.dp_free) = (t, t, t);
+        }
+        Ok(outcome)
+    }
+
+    fn run_action(&mut self, rank: usize, a: Action) -> Result<(Step, Option<usize>), SimError> {
         Ok(match a.kind {
             k if k.is_compute() => (self.compute(rank, a)?, None),
             ActionKind::SendForward | ActionKind::SendBackward => {
@@ -436,6 +454,7 @@ pub fn simulate_costed(
         costs,
         measured,
         zero: cfg.zero,
+        serial: cfg.execution == Execution::Serial,
         elem: cfg.dtype.bytes(),
         mbs,
         f_end: vec![UNKNOWN; slots],
@@ -447,11 +466,12 @@ pub fn simulate_costed(
         ranks: schedule
             .ranks
             .iter()
-            .map(|list| RankState {
+            .zip(&costs.start)
+            .map(|(list, &start)| RankState {
                 pos: 0,
-                compute_free: 0.0,
-                send_free: 0.0,
-                dp_free: 0.0,
+                compute_free: start,
+                send_free: start,
+                dp_free: start,
                 unshard_end: vec![UNKNOWN; stages],
                 wgrad_end: vec![UNKNOWN; stages],
                 gathered: vec![false; stages],

@@ -30,6 +30,14 @@
 //! all-gathers of the weights that optimizer step updated; they are simulated where the list
 //! puts them, at the start of the step, which is the same point of the steady-state cycle.
 //!
+//! # Serial execution
+//! [`Execution::Serial`] models an engine that runs everything on one thread per rank, as
+//! the CPU engine over MPI does: every action of a rank's list, sends, receives and
+//! collectives included, starts after the previous one has ended, and a `RECV_*` holds the
+//! rank until its message has arrived (plus its own duration, if one is given). Fed with a
+//! run's measured durations and per-rank start times ([`CostTable::start`]), it replays that
+//! run.
+//!
 //! # Exposed communication
 //! For every compute, with `free` the end of the previous compute, `produced` the time its
 //! inputs were computed (on whichever rank), `arrived` the time they were on this rank and
@@ -139,6 +147,20 @@ pub struct SimConfig {
     pub dtype: Dtype,
     /// Full-size gradient buffers per rank at ZeRO-2/3; must match the lowering.
     pub grad_buffers: usize,
+    /// Whether a rank's communication overlaps its compute (GPUs with their own copy
+    /// engines and NCCL streams) or runs on the same thread (the CPU engine).
+    pub execution: Execution,
+}
+
+/// How the actions of one rank share its time (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Execution {
+    /// Three streams per rank: compute, point-to-point and data-parallel communication.
+    #[default]
+    Overlapped,
+    /// One stream per rank: every action waits for the one before it in the list.
+    Serial,
 }
 
 impl SimConfig {
@@ -156,6 +178,7 @@ impl SimConfig {
             flash_attention: true,
             dtype: Dtype::Bf16,
             grad_buffers: 2,
+            execution: Execution::Overlapped,
         }
     }
 
@@ -203,6 +226,7 @@ impl SimConfig {
             flash_attention: Option<bool>,
             dtype: Option<Dtype>,
             grad_buffers: Option<usize>,
+            execution: Option<Execution>,
         }
         let raw: Raw = toml::from_str(text)?;
         let model = match raw.model {
@@ -224,6 +248,7 @@ impl SimConfig {
         cfg.flash_attention = raw.flash_attention.unwrap_or(cfg.flash_attention);
         cfg.dtype = raw.dtype.unwrap_or(cfg.dtype);
         cfg.grad_buffers = raw.grad_buffers.unwrap_or(cfg.grad_buffers);
+        cfg.execution = raw.execution.unwrap_or(cfg.execution);
         cfg.check()?;
         Ok(cfg)
     }

@@ -5,8 +5,8 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::schedule::{
-    lower_data_parallel, lower_p2p, DataParallelLowering, PipelineSchedule, ScheduleKind,
-    ScheduleSpec, ZeroLevel,
+    lower_data_parallel, lower_p2p, ActionKind, DataParallelLowering, PipelineSchedule,
+    ScheduleKind, ScheduleSpec, ZeroLevel,
 };
 
 fn lowered(kind: ScheduleKind, p: usize, v: usize, m: usize, zero: ZeroLevel) -> PipelineSchedule {
@@ -366,4 +366,71 @@ fn large_schedule_simulates_quickly() {
         r.step_time_s, r.mfu
     );
     assert!(took.as_secs_f64() < 1.0, "{took:?}");
+}
+
+/// GPipe, P = 2, M = 2, unit forward 1 and backward 2, every transfer 0.5.
+///
+/// Overlapped (sends on their own stream): F(0,0) 0–1 and F(0,1) 1–2 on rank 0, arriving at
+/// 1.5 and 2.5; rank 1 runs F 1.5–2.5 and 2.5–3.5, B(1,0) 3.5–5.5 and B(1,1) 5.5–7.5, whose
+/// gradients arrive at 6 and 8; rank 0 runs B 6–8 and 8–10. Step: 10.
+///
+/// Serial (one thread per rank): rank 0's second forward waits for the first send, 1.5–2.5,
+/// its send ends at 3; rank 1 runs F 1.5–2.5 and 3–4, B(1,0) 4–6, sends until 6.5, B(1,1)
+/// 6.5–8.5, sends until 9; rank 0 runs B 6.5–8.5 and 9–11. Step: 11.
+#[test]
+fn serial_execution_puts_sends_on_the_compute_thread() {
+    let sched = lowered(ScheduleKind::GPipe, 2, 1, 2, ZeroLevel::Zero0);
+    let mut cfg = unit(2.0, ZeroLevel::Zero0);
+    let mut costs = CostTable::new(&cfg, &sched.stage_ranks, 2, 2).unwrap();
+    costs.transfer = vec![0.5; 2];
+    let overlapped = simulate_costed(&sched, &cfg, &costs, None).unwrap();
+    assert!(
+        (overlapped.step_time_s - 10.0).abs() < 1e-12,
+        "{}",
+        overlapped.step_time_s
+    );
+    cfg.execution = Execution::Serial;
+    let serial = simulate_costed(&sched, &cfg, &costs, None).unwrap();
+    assert!(
+        (serial.step_time_s - 11.0).abs() < 1e-12,
+        "{}",
+        serial.step_time_s
+    );
+    // A receive's own duration (unpacking the message) also holds the rank in serial mode:
+    // 0.25 on each of rank 0's two gradient receives delays its backwards to 6.75–8.75 and
+    // 9.25–11.25.
+    let mut measured = ActionDurations::new();
+    for list in &sched.ranks {
+        for a in list.iter().filter(|a| a.kind == ActionKind::RecvBackward) {
+            measured.insert(*a, 0.25);
+        }
+    }
+    let unpacking = simulate_costed(&sched, &cfg, &costs, Some(&measured)).unwrap();
+    assert!(
+        (unpacking.step_time_s - 11.25).abs() < 1e-12,
+        "{}",
+        unpacking.step_time_s
+    );
+}
+
+#[test]
+fn ranks_start_when_the_cost_table_says() {
+    let sched = lowered(ScheduleKind::GPipe, 2, 1, 2, ZeroLevel::Zero0);
+    let cfg = unit(2.0, ZeroLevel::Zero0);
+    let mut costs = CostTable::new(&cfg, &sched.stage_ranks, 2, 2).unwrap();
+    let together = simulate_costed(&sched, &cfg, &costs, None).unwrap();
+    // Rank 1 starting late changes nothing while it would only wait; rank 0 starting late
+    // delays everything.
+    costs.start = vec![0.0, 1.0];
+    let late_receiver = simulate_costed(&sched, &cfg, &costs, None).unwrap();
+    assert_eq!(late_receiver.step_time_s, together.step_time_s);
+    costs.start = vec![3.0, 0.0];
+    let late_sender = simulate_costed(&sched, &cfg, &costs, None).unwrap();
+    assert!((late_sender.step_time_s - together.step_time_s - 3.0).abs() < 1e-12);
+    costs.start = vec![0.0];
+    let err = simulate_costed(&sched, &cfg, &costs, None).unwrap_err();
+    assert!(err.to_string().contains("`start` has 1 entries"), "{err}");
+    costs.start = vec![0.0, f64::NAN];
+    let err = simulate_costed(&sched, &cfg, &costs, None).unwrap_err();
+    assert!(err.to_string().contains("`start` of rank 1"), "{err}");
 }
