@@ -35,7 +35,9 @@ pub enum FusedError {
         what: &'static str,
     },
     /// Inputs that must share a float type do not.
-    #[error("{op}: {what} has dtype {got:?}, expected {expected:?} (cast the inputs to one float type)")]
+    #[error(
+        "{op}: {what} has dtype {got:?}, expected {expected:?} (cast the inputs to one float type)"
+    )]
     DTypeMismatch {
         /// The op that rejected its inputs.
         op: &'static str,

@@ -52,7 +52,13 @@ fn cuda_linear_gelu_matches_f64_oracle() {
     let mut rng = Rng::fresh("cuda linear_gelu");
     // Odd and tile-multiple shapes, plus a GPT-2-small-like MLP slice (d_in 768 → 3072).
     for (dtype, tol) in [(DType::F32, TOL), (DType::F16, 1e-2), (DType::BF16, 1e-2)] {
-        for shape in [[1, 1, 1], [33, 31, 65], [64, 96, 64], [47, 129, 40], [128, 768, 3072]] {
+        for shape in [
+            [1, 1, 1],
+            [33, 31, 65],
+            [64, 96, 64],
+            [47, 129, 40],
+            [128, 768, 3072],
+        ] {
             check_linear_gelu_dtype::<Cuda>(&dev, &mut rng, shape, dtype, tol);
         }
     }
