@@ -52,7 +52,9 @@ fi
 nvidia-smi -L
 
 step "kernel correctness on CUDA (fresh random inputs, NaN-poisoned outputs, float64 oracle)"
-"$OUT/cuda_kernels" --test-threads=1
+# --include-ignored: tests marked `#[ignore = "needs an NVIDIA GPU"]` (the fused linear +
+# bias + GELU, f32/f16/bf16) are exactly what this machine is for.
+"$OUT/cuda_kernels" --test-threads=1 --include-ignored
 
 step "PyTorch reference timings: seq 2048, head dim 128, bf16"
 python3 - <<'PY'

@@ -73,7 +73,9 @@ pub fn flash_attention<B: FusedOps>(
 }
 
 /// Fused `gelu(x·W + b)` (exact GELU); `x` `[tokens, d_in]`, `w` `[d_in, d_out]`, `b`
-/// `[d_out]`.
+/// `[d_out]`, all of one float type the device supports (f32 everywhere; f16 and bf16 where
+/// the device computes in them, accumulating in f32 on backends with kernels). Under
+/// `Autodiff` the backward gives gradients to all three inputs.
 pub fn linear_gelu<B: FusedOps>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
@@ -98,6 +100,22 @@ pub fn linear_gelu<B: FusedOps>(
             op: OP,
             what: "tokens, d_in and d_out",
         });
+    }
+    let dtype = x.dtype();
+    for (what, got) in [("w", w.dtype()), ("b", b.dtype())] {
+        if got != dtype {
+            return Err(FusedError::DTypeMismatch {
+                op: OP,
+                what,
+                got,
+                expected: dtype,
+            });
+        }
+    }
+    // Checked here, before any launch: a kernel for a type the device cannot compute in
+    // would otherwise fail deep inside the shader compiler.
+    if !B::supports_dtype(&x.device(), dtype) {
+        return Err(FusedError::UnsupportedDType { op: OP, dtype });
     }
     Ok(float(B::fused_linear_gelu(
         x.into_primitive().tensor(),

@@ -1,5 +1,6 @@
 //! Errors of the fused ops' public entry points.
 
+use burn::tensor::DType;
 use thiserror::Error;
 
 /// Why a fused op rejected its inputs. Every variant is a caller-side shape or argument
@@ -32,5 +33,28 @@ pub enum FusedError {
         op: &'static str,
         /// Which dimension is empty.
         what: &'static str,
+    },
+    /// Inputs that must share a float type do not.
+    #[error(
+        "{op}: {what} has dtype {got:?}, expected {expected:?} (cast the inputs to one float type)"
+    )]
+    DTypeMismatch {
+        /// The op that rejected its inputs.
+        op: &'static str,
+        /// Which tensor disagrees.
+        what: &'static str,
+        /// Its float type.
+        got: DType,
+        /// The float type of the first input.
+        expected: DType,
+    },
+    /// The device cannot compute in the inputs' float type (for example bf16 on a Vulkan
+    /// device without the bfloat16 shader extension, such as Mesa's lavapipe).
+    #[error("{op}: dtype {dtype:?} is unsupported on this device (no arithmetic support for it); use f32, or f16 where the device supports it")]
+    UnsupportedDType {
+        /// The op that rejected its inputs.
+        op: &'static str,
+        /// The inputs' float type.
+        dtype: DType,
     },
 }

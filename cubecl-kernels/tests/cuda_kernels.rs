@@ -6,7 +6,8 @@
 mod common;
 
 use burn::backend::cuda::{Cuda, CudaDevice};
-use common::{attn_case, check_attention, check_linear_ce, Rng};
+use burn::tensor::DType;
+use common::{attn_case, check_attention, check_linear_ce, check_linear_gelu_dtype, Rng};
 
 const TOL: f64 = 1e-4;
 
@@ -41,5 +42,24 @@ fn cuda_linear_cross_entropy_matches_f64_oracle() {
         ([9, 16, 10], true),
     ] {
         check_linear_ce::<Cuda>(&dev, &mut rng, shape, all_ignored, TOL);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_linear_gelu_matches_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("cuda linear_gelu");
+    // Odd and tile-multiple shapes, plus a GPT-2-small-like MLP slice (d_in 768 → 3072).
+    for (dtype, tol) in [(DType::F32, TOL), (DType::F16, 1e-2), (DType::BF16, 1e-2)] {
+        for shape in [
+            [1, 1, 1],
+            [33, 31, 65],
+            [64, 96, 64],
+            [47, 129, 40],
+            [128, 768, 3072],
+        ] {
+            check_linear_gelu_dtype::<Cuda>(&dev, &mut rng, shape, dtype, tol);
+        }
     }
 }

@@ -26,7 +26,7 @@ fn attention_matches_f64_oracle() {
 #[test]
 fn linear_gelu_matches_f64_oracle() {
     let mut rng = Rng::fresh("flex linear_gelu");
-    for shape in [[1, 3, 5], [7, 16, 33]] {
+    for shape in [[1, 3, 5], [7, 16, 33], [33, 31, 65]] {
         check_linear_gelu::<Flex>(&Default::default(), &mut rng, shape, TOL);
     }
 }
@@ -45,7 +45,7 @@ fn linear_cross_entropy_matches_f64_oracle() {
 
 #[test]
 fn shape_errors_are_reported_not_panicked() {
-    use burn::tensor::{Int, Tensor};
+    use burn::tensor::{DType, Int, Tensor};
     use cubecl_kernels::FusedError;
     let dev = Default::default();
     let t4 = |s: [usize; 4]| Tensor::<Flex, 4>::zeros(s, &dev);
@@ -106,5 +106,19 @@ fn shape_errors_are_reported_not_panicked() {
             })
         ),
         "{err:?}"
+    );
+    // Mixed float types would make a kernel misread a buffer: refused before any launch.
+    let x = Tensor::<Flex, 2>::zeros([4, 8], &dev);
+    let w = common::tensor_as::<Flex, 2>(vec![0.0; 80], [8, 10], DType::F16, &dev);
+    let b = Tensor::<Flex, 1>::zeros([10], &dev);
+    let err = cubecl_kernels::linear_gelu(x, w, b).err();
+    assert_eq!(
+        err,
+        Some(FusedError::DTypeMismatch {
+            op: "linear_gelu",
+            what: "w",
+            got: DType::F16,
+            expected: DType::F32,
+        })
     );
 }

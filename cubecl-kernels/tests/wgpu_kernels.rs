@@ -6,10 +6,16 @@
 mod common;
 
 use burn::backend::wgpu::{Wgpu, WgpuDevice};
-use burn::tensor::{Tensor, TensorData};
-use common::{attn_case, check_attention, check_linear_ce, Rng};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+use common::{
+    attn_case, check_attention, check_linear_ce, check_linear_gelu, check_linear_gelu_dtype,
+    check_linear_gelu_refuses, Rng,
+};
 
 const TOL: f64 = 1e-4;
+/// Tolerance for f16/bf16 inputs (outputs and gradients stored in the half type).
+const HALF_TOL: f64 = 1e-2;
 
 /// The CPU adapter, after proving it works; panics with install instructions otherwise.
 fn device() -> WgpuDevice {
@@ -60,5 +66,45 @@ fn linear_cross_entropy_matches_f64_oracle() {
         ([9, 16, 10], true),
     ] {
         check_linear_ce::<Wgpu>(&dev, &mut rng, shape, all_ignored, TOL);
+    }
+}
+
+#[test]
+fn linear_gelu_matches_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("wgpu linear_gelu");
+    // [tokens, d_in, d_out]: single elements, exact 32-multiples (one and several tiles in
+    // every direction), one past / one short of a tile, and odd sizes, so the zero-padded
+    // edges of the output and of the K tiles are all exercised.
+    for shape in [
+        [1, 1, 1],
+        [32, 32, 32],
+        [64, 96, 64],
+        [33, 31, 65],
+        [31, 33, 1],
+        [5, 70, 17],
+        [100, 48, 3],
+        [47, 129, 40],
+    ] {
+        check_linear_gelu::<Wgpu>(&dev, &mut rng, shape, TOL);
+    }
+}
+
+/// f16 and bf16: computed and checked against the oracle where the device supports the
+/// type; otherwise the op must refuse it with the unsupported-dtype error (lavapipe has no
+/// bf16 shader support), which this test then asserts instead of skipping.
+#[test]
+fn linear_gelu_half_types_match_oracle_or_are_refused() {
+    let dev = device();
+    let mut rng = Rng::fresh("wgpu linear_gelu f16/bf16");
+    for dtype in [DType::F16, DType::BF16] {
+        if <Wgpu as Backend>::supports_dtype(&dev, dtype) {
+            eprintln!("{dtype:?} is supported by this adapter: checking values");
+            for shape in [[33, 31, 65], [64, 64, 32], [7, 100, 9]] {
+                check_linear_gelu_dtype::<Wgpu>(&dev, &mut rng, shape, dtype, HALF_TOL);
+            }
+        } else {
+            check_linear_gelu_refuses::<Wgpu>(&dev, dtype);
+        }
     }
 }

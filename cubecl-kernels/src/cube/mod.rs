@@ -9,6 +9,8 @@ mod cross_entropy;
 mod flash_bwd;
 mod flash_fwd;
 mod linear_ce;
+mod linear_gelu;
+mod mlp;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -78,6 +80,23 @@ where
         causal: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         attention::backward::<Self, R>(q, k, v, out, lse, dout, key_padding_mask, causal)
+    }
+
+    fn fused_linear_gelu(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        linear_gelu::forward::<R>(x, w, b)
+    }
+
+    fn fused_linear_gelu_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        linear_gelu::backward::<Self, R>(x, w, b, dy)
     }
 
     fn fused_linear_cross_entropy(

@@ -7,7 +7,7 @@ pub mod host;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use burn::backend::Autodiff;
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorCreationOptions, TensorData};
 use cubecl_kernels::FusedOps;
 
 /// splitmix64: tiny, good enough for test inputs, and seeded from the clock so every run
@@ -159,49 +159,96 @@ pub fn check_attention<B: FusedOps>(
     );
 }
 
-/// `gelu(x·W + b)` forward and `(dx, dW, db)` through `Autodiff<B>` against the oracle.
+/// `gelu(x·W + b)` forward and `(dx, dW, db)` through `Autodiff<B>` against the oracle, f32.
 pub fn check_linear_gelu<B: FusedOps>(
     device: &B::Device,
     rng: &mut Rng,
-    [n, din, dout]: [usize; 3],
+    shape: [usize; 3],
     tol: f64,
 ) {
-    let (x, w, b) = (
-        rng.vec(n * din, 1.0),
-        rng.vec(din * dout, 0.5),
-        rng.vec(dout, 0.5),
-    );
-    let dy = rng.vec(n * dout, 1.0);
+    check_linear_gelu_dtype::<B>(device, rng, shape, DType::F32, tol);
+}
+
+/// Fresh random values rounded to `dtype` on the host (kept as f32), so the oracle sees
+/// exactly the inputs the device computes with and the comparison measures the op alone.
+pub fn rounded(rng: &mut Rng, len: usize, scale: f32, dtype: DType) -> Vec<f32> {
+    TensorData::new(rng.vec(len, scale), [len])
+        .convert_dtype(dtype)
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("f32 values")
+}
+
+/// `B` tensor of float type `dtype` from f32 values (converted on the host, no kernel).
+pub fn tensor_as<B: burn::tensor::backend::Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(
+        TensorData::new(values, shape),
+        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
+    )
+}
+
+/// [`check_linear_gelu`] with inputs, output gradient and results in float type `dtype`.
+pub fn check_linear_gelu_dtype<B: FusedOps>(
+    device: &B::Device,
+    rng: &mut Rng,
+    [n, din, dout]: [usize; 3],
+    dtype: DType,
+    tol: f64,
+) {
+    let x = rounded(rng, n * din, 1.0, dtype);
+    let w = rounded(rng, din * dout, 0.5, dtype);
+    let b = rounded(rng, dout, 0.5, dtype);
+    let dy = rounded(rng, n * dout, 1.0, dtype);
     let (y, dx, dw, db) = host::linear_gelu(&x, &w, &b, &dy, n, din, dout);
-    let label = format!("linear_gelu n{n} din{din} dout{dout}");
-    let xt =
-        Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(x, [n, din]), device).require_grad();
-    let wt =
-        Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(w, [din, dout]), device).require_grad();
-    let bt = Tensor::<Autodiff<B>, 1>::from_data(TensorData::new(b, [dout]), device).require_grad();
+    let label = format!("linear_gelu {dtype:?} n{n} din{din} dout{dout}");
+    type A<B> = Autodiff<B>;
+    let xt = tensor_as::<A<B>, 2>(x, [n, din], dtype, device).require_grad();
+    let wt = tensor_as::<A<B>, 2>(w, [din, dout], dtype, device).require_grad();
+    let bt = tensor_as::<A<B>, 1>(b, [dout], dtype, device).require_grad();
     let out =
-        cubecl_kernels::linear_gelu(xt.clone(), wt.clone(), bt.clone()).expect("valid shapes");
-    let dyt = Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(dy, [n, dout]), device);
+        cubecl_kernels::linear_gelu(xt.clone(), wt.clone(), bt.clone()).expect("valid inputs");
+    assert_eq!(out.dtype(), dtype, "{label}: output dtype");
+    let dyt = tensor_as::<A<B>, 2>(dy, [n, dout], dtype, device);
     let grads = (out.clone() * dyt).sum().backward();
     assert_close(&format!("{label}: y"), &to_vec(out), &y, tol);
-    assert_close(
-        &format!("{label}: dx"),
-        &to_vec(xt.grad(&grads).expect("dx")),
-        &dx,
-        tol,
+    let (gx, gw, gb) = (
+        xt.grad(&grads).expect("dx"),
+        wt.grad(&grads).expect("dw"),
+        bt.grad(&grads).expect("db"),
     );
-    assert_close(
-        &format!("{label}: dw"),
-        &to_vec(wt.grad(&grads).expect("dw")),
-        &dw,
-        tol,
+    for (what, dt) in [("dx", gx.dtype()), ("dw", gw.dtype()), ("db", gb.dtype())] {
+        assert_eq!(dt, dtype, "{label}: {what} dtype");
+    }
+    assert_close(&format!("{label}: dx"), &to_vec(gx), &dx, tol);
+    assert_close(&format!("{label}: dw"), &to_vec(gw), &dw, tol);
+    assert_close(&format!("{label}: db"), &to_vec(gb), &db, tol);
+}
+
+/// Asserts that `linear_gelu` refuses inputs of `dtype` with the unsupported-dtype error (and
+/// a message that says so) instead of launching a kernel the device cannot run.
+pub fn check_linear_gelu_refuses<B: FusedOps>(device: &B::Device, dtype: DType) {
+    let x = tensor_as::<B, 2>(vec![0.5; 6], [2, 3], dtype, device);
+    let w = tensor_as::<B, 2>(vec![0.25; 12], [3, 4], dtype, device);
+    let b = tensor_as::<B, 1>(vec![0.0; 4], [4], dtype, device);
+    let err = cubecl_kernels::linear_gelu(x, w, b).err();
+    assert_eq!(
+        err,
+        Some(cubecl_kernels::FusedError::UnsupportedDType {
+            op: "linear_gelu",
+            dtype
+        })
     );
-    assert_close(
-        &format!("{label}: db"),
-        &to_vec(bt.grad(&grads).expect("db")),
-        &db,
-        tol,
+    let msg = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        msg.contains("unsupported on this device"),
+        "message should say the dtype is unsupported: {msg}"
     );
+    eprintln!("{dtype:?} refused as expected: {msg}");
 }
 
 /// Fused linear cross-entropy loss and `(dh, dW)` through `Autodiff<B>` against the oracle;

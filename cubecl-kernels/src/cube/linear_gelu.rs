@@ -1,0 +1,110 @@
+//! Launchers for the fused linear + bias + GELU kernels on CubeCL backends.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+
+use super::mlp::{linear_gelu_dz_kernel, linear_gelu_fwd_kernel};
+use super::output;
+
+/// Output tile edge (rows and columns) and K-tile depth; also the cube's width.
+const TILE: usize = 32;
+/// Threads down a tile's rows: 32 × 4 = 128 threads per cube, the most Vulkan guarantees,
+/// each accumulating 8 outputs.
+const ROW_THREADS: usize = 4;
+
+fn launch_grid(n: usize, m: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCount::Static(m.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
+        CubeDim::new_2d(TILE as u32, ROW_THREADS as u32),
+    )
+}
+
+/// `gelu(x·W + b)` on a CubeCL backend, in the inputs' float type.
+pub(crate) fn forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    b: CubeTensor<R>,
+) -> CubeTensor<R> {
+    let [n, k] = x.shape().dims::<2>();
+    let m = w.shape().dims::<2>()[1];
+    let (x, w, b) = (into_contiguous(x), into_contiguous(w), into_contiguous(b));
+    let dtype = x.dtype;
+    let out = output(&x, Shape::new([n, m]), dtype);
+    let (count, dim) = launch_grid(n, m);
+    linear_gelu_fwd_kernel::launch::<R>(
+        &x.client.clone(),
+        count,
+        dim,
+        x.into_tensor_arg(),
+        w.into_tensor_arg(),
+        b.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        n as u32,
+        k as u32,
+        m as u32,
+        TILE,
+        ROW_THREADS,
+        dtype.into(),
+    );
+    out
+}
+
+/// `(dx, dW, db)` of `gelu(x·W + b)` for the output gradient `dy`.
+///
+/// The pre-activation `z` is recomputed inside the `dz` kernel rather than saved by the
+/// forward: saving it would keep an extra `[tokens × d_out]` tensor per MLP alive from the
+/// forward to the backward (with `d_out = 4·hidden`, as large as the block's largest
+/// activation, and a pipeline keeps many micro-batches in flight), while recomputing costs
+/// one extra `x·W` in the backward, which already does two matmuls of that size. `dz` is
+/// then the only `[tokens × d_out]` temporary, freed as soon as `dx` and `dW` are formed.
+pub(crate) fn backward<B, R>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    b: CubeTensor<R>,
+    dy: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)
+where
+    R: CubeRuntime,
+    B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
+{
+    let [n, k] = x.shape().dims::<2>();
+    let m = w.shape().dims::<2>()[1];
+    let dtype = x.dtype;
+    let (x, w, b) = (into_contiguous(x), into_contiguous(w), into_contiguous(b));
+    // The gradient normally arrives in the output's (= the inputs') float type; a caller that
+    // upcast it gets it converted rather than misread by the kernel.
+    let dy = if dy.dtype == dtype {
+        into_contiguous(dy)
+    } else {
+        into_contiguous(B::float_cast(dy, FloatDType::from(dtype)))
+    };
+    let dz = output(&x, Shape::new([n, m]), dtype);
+    let db_partial = output(&x, Shape::new([n.div_ceil(TILE), m]), DType::F32);
+    let (count, dim) = launch_grid(n, m);
+    linear_gelu_dz_kernel::launch::<R>(
+        &x.client.clone(),
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        w.clone().into_tensor_arg(),
+        b.into_tensor_arg(),
+        dy.into_tensor_arg(),
+        dz.clone().into_tensor_arg(),
+        db_partial.clone().into_tensor_arg(),
+        n as u32,
+        k as u32,
+        m as u32,
+        TILE,
+        ROW_THREADS,
+        dtype.into(),
+    );
+    let dx = B::float_matmul(dz.clone(), B::float_transpose(w));
+    let dw = B::float_matmul(B::float_transpose(x), dz);
+    let db = B::float_reshape(B::float_sum_dim(db_partial, 0), Shape::new([m]));
+    let db = B::float_cast(db, FloatDType::from(dtype));
+    (dx, dw, db)
+}
