@@ -138,7 +138,10 @@ fn shape(args: &Args) -> GptShape {
     }
 }
 
-fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Error> {
+fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
+    args: &Args,
+    device: B::Device,
+) -> Result<(), Error> {
     if args.warmup >= args.steps {
         return Err(format!(
             "--warmup {} leaves no timed step of --steps {}: raise --steps",

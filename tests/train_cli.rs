@@ -37,10 +37,15 @@ fn temp_dir(name: &str) -> PathBuf {
 /// A short communication timeout, so that a rank waiting on a failed peer gives up quickly,
 /// unless `args` sets one.
 fn train(name: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    train_model(name, TINY, args, env)
+}
+
+/// [`train`] with the model flags `model` in place of [`TINY`].
+fn train_model(name: &str, model: &[&str], args: &[&str], env: &[(&str, &str)]) -> Output {
     let out_dir = temp_dir(name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
     cmd.arg("train")
-        .args(TINY)
+        .args(model)
         .args(args)
         .args(if args.contains(&"--comm-timeout") {
             &[][..]
@@ -475,4 +480,39 @@ fn an_exhausted_dataset_wraps_to_the_next_epoch_and_says_so() {
         ],
         "{err}"
     );
+}
+
+#[test]
+fn fused_ops_train_the_same_model_and_refuse_heads_they_cannot_take() {
+    // TINY with one head of 16, which flash attention takes. The fused ops (composed on the
+    // CPU) compute the same function: the first step's loss, before any update, agrees
+    // closely; later steps drift only by rounding.
+    let mut model = TINY.to_vec();
+    let heads = model
+        .iter()
+        .position(|&a| a == "--heads")
+        .expect("TINY sets --heads");
+    model[heads + 1] = "1";
+    let common = ["--steps", "2", "--microbatches", "2", "--json"];
+    let run = |name: &str, mode: &str| {
+        train_model(
+            name,
+            &model,
+            &[&common[..], &["--fused", mode]].concat(),
+            &[],
+        )
+    };
+    let (fused, plain) = (run("fused-on", "on"), run("fused-off", "off"));
+    let (a, b) = (losses(&json_of(&fused)), losses(&json_of(&plain)));
+    assert_eq!(a.len(), 2);
+    assert!(((a[0] - b[0]) / b[0]).abs() <= 1e-6, "{a:?} vs {b:?}");
+    assert!(((a[1] - b[1]) / b[1]).abs() <= 1e-4, "{a:?} vs {b:?}");
+    // TINY's heads of 16 / 2 = 8 do not fit flash attention's multiples of 16.
+    assert_fails(
+        "fused-bad-heads",
+        &["--fused", "on"],
+        &[],
+        &["head dimension", "fused = \"auto\""],
+    );
+    assert_fails("fused-bad-mode", &["--fused", "always"], &[], &["auto"]);
 }

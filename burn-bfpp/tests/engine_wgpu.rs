@@ -12,9 +12,13 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::engine::{train_local, EngineConfig};
-use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
+use burn_bfpp::model::{
+    autodiff_lock, FusedMode, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel,
+    Targets,
+};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use cubecl_kernels::FusedOps;
 
 type B = Autodiff<Wgpu>;
 
@@ -74,8 +78,10 @@ fn lr() -> LrSchedule {
 
 /// The unsplit model's own forward, Burn's cross-entropy and Burn's AdamW, on the same
 /// global batch (D replicas × M micro-batches), on the same backend.
-fn reference(dp: usize) -> (Vec<f64>, Vec<f32>) {
-    let mut model = model();
+/// With `fused_head` the loss is the unsplit model's own (`PipelineModel::loss`, the fused
+/// head), as the engine's last stage computes it.
+fn reference(dp: usize, model: Gpt<B>, fused_head: bool) -> (Vec<f64>, Vec<f32>) {
+    let mut model = model;
     let mut optim = AdamWSettings::default().to_burn().init::<B, Gpt<B>>();
     let ce = CrossEntropyLossConfig::new().init(&Default::default());
     let mut losses = Vec::new();
@@ -85,6 +91,11 @@ fn reference(dp: usize) -> (Vec<f64>, Vec<f32>) {
         for d in 0..dp {
             for m in 0..M {
                 let mb = batch(step, d, m);
+                if fused_head {
+                    let loss = model.loss(&mb).expect("loss");
+                    total = Some(total.map_or(loss.clone(), |t| t + loss));
+                    continue;
+                }
                 let (Inputs::Tokens(x), Targets::Tokens(y)) = (mb.inputs, mb.targets) else {
                     unreachable!("GPT batches are tokens")
                 };
@@ -102,10 +113,8 @@ fn reference(dp: usize) -> (Vec<f64>, Vec<f32>) {
     (losses, params(&model))
 }
 
-#[test]
-fn breadth_first_zero3_on_wgpu_matches_single_device() {
-    let dp = 2;
-    let cfg = EngineConfig {
+fn engine_config(dp: usize) -> EngineConfig {
+    EngineConfig {
         pp: 2,
         loops: 2,
         dp,
@@ -123,10 +132,17 @@ fn breadth_first_zero3_on_wgpu_matches_single_device() {
         comm_timeout: Duration::from_secs(120),
         fault: None,
         on_nonfinite: Default::default(),
-    };
-    let shape = [MBS, gpt().seq_len, gpt().hidden];
-    let outcome = train_local(&model(), &cfg, STEPS, shape, batch, |_| {}).expect("trains");
-    let (want_losses, want_params) = reference(dp);
+    }
+}
+
+/// Trains `model` with the engine (breadth-first, P = 2, V = 2, D = 2, ZeRO-3) and checks it
+/// against [`reference`]: losses within 1e-5, parameters within `param_tol` relative.
+fn check_against_single_device(model: &Gpt<B>, fused_head: bool, param_tol: f32) {
+    let dp = 2;
+    let cfg = engine_config(dp);
+    let shape = [MBS, model.config().seq_len, model.config().hidden];
+    let outcome = train_local(model, &cfg, STEPS, shape, batch, |_| {}).expect("trains");
+    let (want_losses, want_params) = reference(dp, model.clone(), fused_head);
     for (got, want) in outcome.losses.iter().zip(&want_losses) {
         assert!(
             ((got - want) / want).abs() <= 1e-5,
@@ -144,11 +160,40 @@ fn breadth_first_zero3_on_wgpu_matches_single_device() {
         .zip(&want_params)
         .fold(0.0f32, |a, (g, w)| a.max((g - w).abs()));
     assert!(
-        diff / scale <= 1e-5,
+        diff / scale <= param_tol,
         "parameters differ by {:.2e} relative",
         diff / scale
     );
     // The run must actually have trained: the parameters moved from their initial values.
-    let initial = params(&model());
+    let initial = params(model);
     assert!(initial.iter().zip(&got).any(|(a, b)| a != b));
+}
+
+#[test]
+fn breadth_first_zero3_on_wgpu_matches_single_device() {
+    let written_out = model().with_fused(FusedMode::Off).expect("valid");
+    check_against_single_device(&written_out, false, 1e-5);
+}
+
+/// The same with the CubeCL kernels in the model (`fused = "auto"` on wgpu): flash attention
+/// (heads of 16), fused linear + GELU and fused linear cross-entropy, forward and backward,
+/// inside the pipeline. Parameters within 3e-5 as in the Flex fused equivalence test
+/// (engine_equivalence.rs explains why not 1e-5).
+#[test]
+fn breadth_first_zero3_with_fused_kernels_matches_single_device() {
+    assert!(
+        <B as FusedOps>::fused_kernels(),
+        "Autodiff<Wgpu> must run the fused ops as kernels"
+    );
+    let wide = GptConfig {
+        hidden: 32,
+        ..gpt()
+    };
+    let model = {
+        let _guard = autodiff_lock();
+        wide.init_seeded::<B>(5, &Default::default())
+            .expect("valid config")
+    };
+    assert_eq!(model.config().fused, FusedMode::Auto);
+    check_against_single_device(&model, true, 3e-5);
 }

@@ -79,6 +79,10 @@ impl<B: FusedOps> Backward<B, 2> for LinearCrossEntropyBackward {
 }
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn fused_kernels() -> bool {
+        B::fused_kernels()
+    }
+
     fn fused_flash_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -21,6 +21,13 @@ use crate::reference;
 /// `Linear` layout), `b` `[d_out]`; `h` is `[tokens, hidden]`, the head `[hidden, vocab]`,
 /// `targets` `[tokens]`.
 pub trait FusedOps: Backend {
+    /// Whether this backend runs the ops as real fused kernels (the CubeCL backends and
+    /// `Autodiff` over them) rather than the composed defaults; models use it to pick the
+    /// fused path only where it saves memory and time.
+    fn fused_kernels() -> bool {
+        false
+    }
+
     /// Attention forward, `softmax(QKᵀ/√d)·V`, with queries and keys aligned at position 0
     /// for `causal`. Returns the output and the per-row log-sum-exp of the scaled scores
     /// (rows that see no key output 0 and get [`reference::EMPTY_ROW_LSE`]).

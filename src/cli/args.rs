@@ -72,6 +72,10 @@ pub struct TrainArgs {
     /// MLP width as a multiple of --hidden.
     #[arg(long, help_heading = "Model")]
     pub mlp_ratio: Option<usize>,
+    /// Fused attention, MLP and loss ops: where the backend has kernels (auto), always (on;
+    /// composed ops on the CPU), or never (off).
+    #[arg(long, value_name = "auto|on|off", help_heading = "Model")]
+    pub fused: Option<burn_bfpp::model::FusedMode>,
 
     /// Peak learning rate.
     #[arg(long, help_heading = "Optimizer")]
@@ -165,6 +169,7 @@ impl TrainArgs {
         set(&mut m.hidden, &self.hidden);
         set(&mut m.heads, &self.heads);
         set(&mut m.mlp_ratio, &self.mlp_ratio);
+        set(&mut m.fused, &self.fused);
         // One flag for both so the two can never disagree.
         set(&mut m.seq_len, &self.seq_len);
         set(&mut cfg.data.seq_len, &self.seq_len);

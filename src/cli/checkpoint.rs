@@ -69,9 +69,14 @@ pub struct Prepared<'a> {
     pub sink: Option<DirSink<'a>>,
 }
 
-/// The model configuration as the manifest records it.
+/// The model configuration as the manifest records it: the model's shape. `fused` is how
+/// it is computed, not what it is, so a run may resume with another setting.
 fn model_json(model: &GptConfig) -> Result<serde_json::Value, TrainError> {
-    serde_json::to_value(model).map_err(|e| TrainError::Config(e.to_string()))
+    let mut json = serde_json::to_value(model).map_err(|e| TrainError::Config(e.to_string()))?;
+    if let Some(fields) = json.as_object_mut() {
+        fields.remove("fused");
+    }
+    Ok(json)
 }
 
 /// Apply `--init`, `--resume` and `--save` to a run about to start.

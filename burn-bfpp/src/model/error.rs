@@ -7,6 +7,10 @@ use std::ops::Range;
 /// Every message says what was wrong and, where there is one, what to change.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ModelError {
+    /// A fused op (`GptConfig::fused`) refused its inputs: an unsupported float type or
+    /// shape on this backend; the text names the op and the fix.
+    #[error("{0}")]
+    Fused(#[from] cubecl_kernels::FusedError),
     /// The requested layer → stage split is impossible (too many stages, a bad explicit
     /// split, invalid costs, ranges that do not cover the model).
     #[error("invalid layer split: {0}")]

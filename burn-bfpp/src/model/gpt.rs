@@ -15,6 +15,7 @@ use burn::nn::{
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor};
+use cubecl_kernels::FusedOps;
 use serde::{Deserialize, Serialize};
 
 use super::Inputs;
@@ -48,6 +49,48 @@ pub struct GptConfig {
     /// Standard deviation of the normal initialisation of weights (default 0.02); the
     /// residual output projections use `init_std / sqrt(2 · layers)`, as in GPT-2.
     pub init_std: f64,
+    /// Whether attention, the MLP's first linear + GELU and the head's loss run as the fused
+    /// ops of `cubecl_kernels` (default `auto`: where the backend has fused kernels). An
+    /// execution choice, not part of the model: the parameters are the same either way.
+    pub fused: FusedMode,
+}
+
+/// When the reference GPT uses the fused ops of `cubecl_kernels` ([`GptConfig::fused`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FusedMode {
+    /// Fused where the backend runs them as kernels (wgpu, CUDA, and `Autodiff` over them);
+    /// the written-out ops elsewhere, where the composed fused ops would gain nothing.
+    #[default]
+    Auto,
+    /// Always fused: on backends without kernels (Flex) the composed implementations, with
+    /// their own backward, run instead of the written-out ops.
+    On,
+    /// Never: attention, MLP and loss written out of standard Burn ops.
+    Off,
+}
+
+impl std::str::FromStr for FusedMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "auto" => Ok(FusedMode::Auto),
+            "on" => Ok(FusedMode::On),
+            "off" => Ok(FusedMode::Off),
+            other => Err(format!(
+                "unknown fused mode `{other}`; expected `auto`, `on` or `off`"
+            )),
+        }
+    }
+}
+
+/// Which parts of the forward take the fused path, decided once per forward.
+#[derive(Debug, Clone, Copy)]
+struct Fused {
+    attention: bool,
+    mlp: bool,
+    head: bool,
 }
 
 impl Default for GptConfig {
@@ -62,6 +105,7 @@ impl Default for GptConfig {
             tied_head: false,
             dropout: 0.0,
             init_std: 0.02,
+            fused: FusedMode::Auto,
         }
     }
 }
@@ -92,6 +136,15 @@ impl GptConfig {
                 self.dropout
             )));
         }
+        let head_dim = self.hidden / self.heads;
+        if self.fused == FusedMode::On && !flash_head_dim(head_dim) {
+            return Err(ModelError::Config(format!(
+                "`fused = \"on\"` needs a head dimension (hidden / heads = {head_dim}) that is a \
+                 multiple of 16 and at most {}; change hidden or heads, or set fused = \"auto\" \
+                 (written-out attention where it does not fit)",
+                cubecl_kernels::MAX_HEAD_DIM
+            )));
+        }
         if !self.init_std.is_finite() || self.init_std < 0.0 {
             return Err(ModelError::Config(format!(
                 "`init_std` is {}; it must be finite and non-negative",
@@ -99,6 +152,21 @@ impl GptConfig {
             )));
         }
         Ok(())
+    }
+
+    /// What takes the fused path on backend `B`. A tied head stays written out: its weight
+    /// is the transposed embedding, a view the head kernel does not take.
+    fn fused<B: FusedOps>(&self) -> Fused {
+        let on = match self.fused {
+            FusedMode::On => true,
+            FusedMode::Auto => B::fused_kernels(),
+            FusedMode::Off => false,
+        };
+        Fused {
+            attention: on && flash_head_dim(self.hidden / self.heads),
+            mlp: on,
+            head: on && !self.tied_head,
+        }
     }
 
     /// Layers as a pipeline model: embedding, blocks, head.
@@ -231,8 +299,8 @@ pub struct CausalSelfAttention<B: Backend> {
     heads: usize,
 }
 
-impl<B: Backend> CausalSelfAttention<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+impl<B: FusedOps> CausalSelfAttention<B> {
+    fn forward(&self, x: Tensor<B, 3>, fused: bool) -> Result<Tensor<B, 3>, ModelError> {
         let [batch, seq, hidden] = x.dims();
         let (heads, head_dim) = (self.heads, hidden / self.heads);
         // [batch, seq, hidden] → [batch, heads, seq, head_dim]
@@ -240,6 +308,13 @@ impl<B: Backend> CausalSelfAttention<B> {
         let q = split(self.query.forward(x.clone()));
         let k = split(self.key.forward(x.clone()));
         let v = split(self.value.forward(x));
+        if fused {
+            // Never materialises the [seq × seq] scores on backends with kernels.
+            let (y, _log_sum_exp) = cubecl_kernels::flash_attention(q, k, v, None, true)?;
+            return Ok(self
+                .output
+                .forward(y.swap_dims(1, 2).reshape([batch, seq, hidden])));
+        }
         let scores = q.matmul(k.transpose()).div_scalar((head_dim as f64).sqrt());
         // `tril_mask` is true above the diagonal: the future positions a token may not see.
         let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device())
@@ -250,7 +325,7 @@ impl<B: Backend> CausalSelfAttention<B> {
             .matmul(v)
             .swap_dims(1, 2)
             .reshape([batch, seq, hidden]);
-        self.output.forward(y)
+        Ok(self.output.forward(y))
     }
 }
 
@@ -266,15 +341,31 @@ pub struct GptBlock<B: Backend> {
     dropout: Dropout,
 }
 
-impl<B: Backend> GptBlock<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let attended = self.attention.forward(self.norm1.forward(x.clone()));
+impl<B: FusedOps> GptBlock<B> {
+    fn forward(&self, x: Tensor<B, 3>, fused: Fused) -> Result<Tensor<B, 3>, ModelError> {
+        let attended = self
+            .attention
+            .forward(self.norm1.forward(x.clone()), fused.attention)?;
         let x = x + self.dropout.forward(attended);
-        let mlp = self.proj.forward(
-            self.gelu
-                .forward(self.fc.forward(self.norm2.forward(x.clone()))),
-        );
-        x + self.dropout.forward(mlp)
+        let normed = self.norm2.forward(x.clone());
+        let activated = if fused.mlp {
+            let [batch, seq, hidden] = normed.dims();
+            let width = self.fc.weight.dims()[1];
+            let bias = match &self.fc.bias {
+                Some(b) => b.val(),
+                None => Tensor::zeros([width], &normed.device()),
+            };
+            cubecl_kernels::linear_gelu(
+                normed.reshape([batch * seq, hidden]),
+                self.fc.weight.val(),
+                bias,
+            )?
+            .reshape([batch, seq, width])
+        } else {
+            self.gelu.forward(self.fc.forward(normed))
+        };
+        let mlp = self.proj.forward(activated);
+        Ok(x + self.dropout.forward(mlp))
     }
 }
 
@@ -312,6 +403,38 @@ impl<B: Backend> GptHead<B> {
     }
 }
 
+impl<B: FusedOps> GptHead<B> {
+    /// Mean next-token cross-entropy of the head's logits against `targets`; fused, the
+    /// `[tokens × vocab]` logits are never materialised on backends with kernels.
+    fn loss(
+        &self,
+        x: Tensor<B, 3>,
+        embed: Option<&GptEmbedding<B>>,
+        targets: Tensor<B, 2, Int>,
+        fused: bool,
+    ) -> Result<Tensor<B, 1>, ModelError> {
+        match (&self.output, fused) {
+            (Some(output), true) => {
+                let [batch, seq, hidden] = x.dims();
+                let h = self.norm.forward(x).reshape([batch * seq, hidden]);
+                // No target is ignored: every position has a next token.
+                Ok(cubecl_kernels::linear_cross_entropy(
+                    h,
+                    output.weight.val(),
+                    targets.reshape([batch * seq]),
+                    -1,
+                )?)
+            }
+            _ => Ok(cross_entropy(self.logits(x, embed)?, targets)),
+        }
+    }
+}
+
+/// Whether flash attention takes heads of this dimension.
+fn flash_head_dim(head_dim: usize) -> bool {
+    head_dim % 16 == 0 && head_dim <= cubecl_kernels::MAX_HEAD_DIM
+}
+
 /// Mean next-token cross-entropy over all `batch · seq` positions.
 fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
     let [batch, seq, vocab] = logits.dims();
@@ -338,18 +461,36 @@ impl<B: Backend> Gpt<B> {
         &self.config
     }
 
-    /// Next-token logits `[batch, seq, vocab]` for token ids `[batch, seq]`.
+    /// The same parameters with another [`FusedMode`]: e.g. a written-out reference to check
+    /// the fused path against. Fails like [`GptConfig::validate`] when the mode does not fit
+    /// the shape.
+    pub fn with_fused(mut self, fused: FusedMode) -> Result<Self, ModelError> {
+        let config = GptConfig {
+            fused,
+            ..self.config.clone()
+        };
+        config.validate()?;
+        self.config = config;
+        Ok(self)
+    }
+}
+
+impl<B: FusedOps> Gpt<B> {
+    /// Next-token logits `[batch, seq, vocab]` for token ids `[batch, seq]`. The logits are
+    /// materialised, so the head's loss is not fused here (attention and MLP are, per
+    /// [`GptConfig::fused`]).
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
         check_tokens(&self.config, &tokens, &(0..self.num_layers()))?;
+        let fused = self.config.fused::<B>();
         let mut x = self.embed.forward(tokens);
         for block in &self.blocks {
-            x = block.forward(x);
+            x = block.forward(x, fused)?;
         }
         self.head.logits(x, Some(&self.embed))
     }
 }
 
-impl<B: Backend> PipelineModel<B> for Gpt<B> {
+impl<B: FusedOps> PipelineModel<B> for Gpt<B> {
     type Stage = GptStage<B>;
 
     fn num_layers(&self) -> usize {
@@ -397,7 +538,7 @@ pub struct GptStage<B: Backend> {
     config: GptConfig,
 }
 
-impl<B: Backend> PipelineStage<B> for GptStage<B> {
+impl<B: FusedOps> PipelineStage<B> for GptStage<B> {
     fn layers(&self) -> Range<usize> {
         self.start..self.end
     }
@@ -450,8 +591,9 @@ impl<B: Backend> PipelineStage<B> for GptStage<B> {
                 hidden
             }
         };
+        let fused = self.config.fused::<B>();
         for block in &self.blocks {
-            x = block.forward(x);
+            x = block.forward(x, fused)?;
         }
         let Some(head) = &self.head else {
             return Ok(StageOutput::Hidden(x));
@@ -469,8 +611,12 @@ impl<B: Backend> PipelineStage<B> for GptStage<B> {
                 format!("{:?}", targets.dims()),
             ));
         }
-        let logits = head.logits(x, self.embed.as_ref())?;
-        Ok(StageOutput::Loss(cross_entropy(logits, targets)))
+        Ok(StageOutput::Loss(head.loss(
+            x,
+            self.embed.as_ref(),
+            targets,
+            fused.head,
+        )?))
     }
 }
 

@@ -40,7 +40,7 @@ pub use autodiff::{
     stage_backward,
 };
 pub use error::ModelError;
-pub use gpt::{Gpt, GptConfig, GptStage};
+pub use gpt::{FusedMode, Gpt, GptConfig, GptStage};
 pub use params::{
     flatten_params, load_flat, load_flat_shaped, materialize, param_shapes, recombine,
     release_params,

@@ -10,7 +10,9 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::engine::EngineConfig;
-use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
+use burn_bfpp::model::{
+    autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel, Targets,
+};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
 use std::time::Duration;
@@ -79,7 +81,15 @@ pub fn model() -> Gpt<B> {
 
 /// Plain Burn: the whole model on one device, mean loss over the global batch, Burn's AdamW.
 pub fn reference(dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
-    let mut model = model();
+    reference_of(model(), dp)
+}
+
+/// [`reference`] from the given initial model. With `fused = "on"` its loss is the unsplit
+/// model's own (`PipelineModel::loss`, whose head fuses the projection with the
+/// cross-entropy); otherwise its `forward` followed by Burn's cross-entropy.
+pub fn reference_of(model: Gpt<B>, dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+    let mut model = model;
+    let fused_head = model.config().fused == burn_bfpp::model::FusedMode::On;
     let mut optim = adamw().to_burn().init::<B, Gpt<B>>();
     let ce = CrossEntropyLossConfig::new().init(&Default::default());
     let mut losses = Vec::new();
@@ -89,6 +99,14 @@ pub fn reference(dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
         for d in 0..dp {
             for m in 0..M {
                 let mb = batch(step, d, m);
+                if fused_head {
+                    let loss = model.loss(&mb).expect("loss");
+                    total = Some(match total {
+                        Some(t) => t + loss,
+                        None => loss,
+                    });
+                    continue;
+                }
                 let (Inputs::Tokens(x), Targets::Tokens(y)) = (mb.inputs, mb.targets) else {
                     unreachable!("the GPT batches are tokens")
                 };

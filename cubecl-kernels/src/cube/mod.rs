@@ -59,6 +59,10 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn fused_kernels() -> bool {
+        true
+    }
+
     fn fused_flash_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
