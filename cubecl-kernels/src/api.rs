@@ -2,7 +2,7 @@
 //! [`FusedOps`] method. Shape problems come back as [`FusedError`] instead of a panic deep
 //! inside a kernel launch.
 
-use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorPrimitive};
 
 use crate::{FusedError, FusedOps, MAX_HEAD_DIM};
 
@@ -17,6 +17,29 @@ fn mismatch(op: &'static str, what: &'static str, got: &[usize], expected: &[usi
 
 fn float<B: FusedOps, const D: usize>(t: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// The inputs of `op` share the first input's float type `dtype`, and `device` computes in
+/// it. Checked before any launch: a kernel for a type the device cannot compute in would
+/// otherwise fail deep inside the shader compiler.
+fn check_dtypes<B: FusedOps>(
+    op: &'static str,
+    dtype: DType,
+    device: &B::Device,
+    others: &[(&'static str, DType)],
+) -> Result<(), FusedError> {
+    if let Some(&(what, got)) = others.iter().find(|(_, got)| *got != dtype) {
+        return Err(FusedError::DTypeMismatch {
+            op,
+            what,
+            got,
+            expected: dtype,
+        });
+    }
+    if !B::supports_dtype(device, dtype) {
+        return Err(FusedError::UnsupportedDType { op, dtype });
+    }
+    Ok(())
 }
 
 /// Flash attention: `softmax(QKᵀ/√d)·V` and the per-row log-sum-exp, without materialising
@@ -62,6 +85,12 @@ pub fn flash_attention<B: FusedOps>(
     if d == 0 || d % 16 != 0 || d > MAX_HEAD_DIM {
         return Err(FusedError::UnsupportedHeadDim(d));
     }
+    check_dtypes::<B>(
+        OP,
+        q.dtype(),
+        &q.device(),
+        &[("k", k.dtype()), ("v", v.dtype())],
+    )?;
     let (out, lse) = B::fused_flash_attention(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -101,22 +130,12 @@ pub fn linear_gelu<B: FusedOps>(
             what: "tokens, d_in and d_out",
         });
     }
-    let dtype = x.dtype();
-    for (what, got) in [("w", w.dtype()), ("b", b.dtype())] {
-        if got != dtype {
-            return Err(FusedError::DTypeMismatch {
-                op: OP,
-                what,
-                got,
-                expected: dtype,
-            });
-        }
-    }
-    // Checked here, before any launch: a kernel for a type the device cannot compute in
-    // would otherwise fail deep inside the shader compiler.
-    if !B::supports_dtype(&x.device(), dtype) {
-        return Err(FusedError::UnsupportedDType { op: OP, dtype });
-    }
+    check_dtypes::<B>(
+        OP,
+        x.dtype(),
+        &x.device(),
+        &[("w", w.dtype()), ("b", b.dtype())],
+    )?;
     Ok(float(B::fused_linear_gelu(
         x.into_primitive().tensor(),
         w.into_primitive().tensor(),
@@ -153,6 +172,7 @@ pub fn linear_cross_entropy<B: FusedOps>(
             what: "tokens, hidden and vocab",
         });
     }
+    check_dtypes::<B>(OP, h.dtype(), &h.device(), &[("w", w.dtype())])?;
     Ok(float(B::fused_linear_cross_entropy(
         h.into_primitive().tensor(),
         w.into_primitive().tensor(),

@@ -102,16 +102,28 @@ pub fn check_attention<B: FusedOps>(
     c: &host::AttnCase,
     tol: f64,
 ) {
+    check_attention_dtype::<B>(device, rng, c, DType::F32, tol);
+}
+
+/// [`check_attention`] with inputs, output gradient and results in float type `dtype` (the
+/// log-sum-exp stays f32).
+pub fn check_attention_dtype<B: FusedOps>(
+    device: &B::Device,
+    rng: &mut Rng,
+    c: &host::AttnCase,
+    dtype: DType,
+    tol: f64,
+) {
     let (qn, kn) = (c.b * c.h * c.sq * c.d, c.b * c.h * c.sk * c.d);
     let (q, k, v, g) = (
-        rng.vec(qn, 1.5),
-        rng.vec(kn, 1.5),
-        rng.vec(kn, 1.0),
-        rng.vec(qn, 1.0),
+        rounded(rng, qn, 1.5, dtype),
+        rounded(rng, kn, 1.5, dtype),
+        rounded(rng, kn, 1.0, dtype),
+        rounded(rng, qn, 1.0, dtype),
     );
     let want = host::attention(c, &q, &k, &v, &g);
     let label = format!(
-        "attention b{} h{} sq{} sk{} d{} causal={} mask={}",
+        "attention {dtype:?} b{} h{} sq{} sk{} d{} causal={} mask={}",
         c.b,
         c.h,
         c.sq,
@@ -122,9 +134,8 @@ pub fn check_attention<B: FusedOps>(
     );
 
     type A<B> = Autodiff<B>;
-    let t4 = |x: &[f32], s: usize| {
-        Tensor::<A<B>, 4>::from_data(TensorData::new(x.to_vec(), [c.b, c.h, s, c.d]), device)
-    };
+    let t4 =
+        |x: &[f32], s: usize| tensor_as::<A<B>, 4>(x.to_vec(), [c.b, c.h, s, c.d], dtype, device);
     let (qt, kt, vt) = (
         t4(&q, c.sq).require_grad(),
         t4(&k, c.sk).require_grad(),
@@ -136,6 +147,7 @@ pub fn check_attention<B: FusedOps>(
     let (out, lse) =
         cubecl_kernels::flash_attention(qt.clone(), kt.clone(), vt.clone(), mask, c.causal)
             .expect("valid shapes");
+    assert_eq!(out.dtype(), dtype, "{label}: output dtype");
     let grads = (out.clone() * t4(&g, c.sq)).sum().backward();
     assert_close(&format!("{label}: out"), &to_vec(out), &want.out, tol);
     assert_close(&format!("{label}: lse"), &to_vec(lse), &want.lse, tol);
@@ -235,13 +247,30 @@ pub fn check_linear_gelu_refuses<B: FusedOps>(device: &B::Device, dtype: DType) 
     let x = tensor_as::<B, 2>(vec![0.5; 6], [2, 3], dtype, device);
     let w = tensor_as::<B, 2>(vec![0.25; 12], [3, 4], dtype, device);
     let b = tensor_as::<B, 1>(vec![0.0; 4], [4], dtype, device);
-    let err = cubecl_kernels::linear_gelu(x, w, b).err();
+    assert_refused(
+        "linear_gelu",
+        dtype,
+        cubecl_kernels::linear_gelu(x, w, b).err(),
+    );
+}
+
+/// [`check_linear_gelu_refuses`] for flash attention and the fused linear cross-entropy.
+pub fn check_attention_and_linear_ce_refuse<B: FusedOps>(device: &B::Device, dtype: DType) {
+    let t4 = || tensor_as::<B, 4>(vec![0.5; 32], [1, 1, 2, 16], dtype, device);
+    let err = cubecl_kernels::flash_attention(t4(), t4(), t4(), None, true).err();
+    assert_refused("flash_attention", dtype, err);
+    let h = tensor_as::<B, 2>(vec![0.5; 6], [2, 3], dtype, device);
+    let w = tensor_as::<B, 2>(vec![0.25; 12], [3, 4], dtype, device);
+    let t = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, 3], [2]), device);
+    let err = cubecl_kernels::linear_cross_entropy(h, w, t, -100).err();
+    assert_refused("linear_cross_entropy", dtype, err);
+}
+
+/// `err` is `op`'s unsupported-dtype refusal of `dtype`, with a message that says so.
+fn assert_refused(op: &'static str, dtype: DType, err: Option<cubecl_kernels::FusedError>) {
     assert_eq!(
         err,
-        Some(cubecl_kernels::FusedError::UnsupportedDType {
-            op: "linear_gelu",
-            dtype
-        })
+        Some(cubecl_kernels::FusedError::UnsupportedDType { op, dtype })
     );
     let msg = err.map(|e| e.to_string()).unwrap_or_default();
     assert!(
@@ -256,12 +285,27 @@ pub fn check_linear_gelu_refuses<B: FusedOps>(device: &B::Device, dtype: DType) 
 pub fn check_linear_ce<B: FusedOps>(
     device: &B::Device,
     rng: &mut Rng,
-    [n, hidden, vocab]: [usize; 3],
+    shape: [usize; 3],
     all_ignored: bool,
     tol: f64,
 ) {
+    check_linear_ce_dtype::<B>(device, rng, shape, all_ignored, DType::F32, tol);
+}
+
+/// [`check_linear_ce`] with `h`, `W`, the loss and the gradients in float type `dtype`.
+pub fn check_linear_ce_dtype<B: FusedOps>(
+    device: &B::Device,
+    rng: &mut Rng,
+    [n, hidden, vocab]: [usize; 3],
+    all_ignored: bool,
+    dtype: DType,
+    tol: f64,
+) {
     const IGNORE: i64 = -100;
-    let (h, w) = (rng.vec(n * hidden, 1.0), rng.vec(hidden * vocab, 1.0));
+    let (h, w) = (
+        rounded(rng, n * hidden, 1.0, dtype),
+        rounded(rng, hidden * vocab, 1.0, dtype),
+    );
     let targets: Vec<i64> = (0..n)
         .map(|_| {
             if all_ignored || rng.below(4) == 0 {
@@ -272,12 +316,11 @@ pub fn check_linear_ce<B: FusedOps>(
         })
         .collect();
     let (loss, dh, dw) = host::linear_cross_entropy(&h, &w, &targets, IGNORE, hidden, vocab);
-    let label =
-        format!("linear_cross_entropy n{n} hidden{hidden} vocab{vocab} all_ignored={all_ignored}");
-    let ht =
-        Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(h, [n, hidden]), device).require_grad();
-    let wt = Tensor::<Autodiff<B>, 2>::from_data(TensorData::new(w, [hidden, vocab]), device)
-        .require_grad();
+    let label = format!(
+        "linear_cross_entropy {dtype:?} n{n} hidden{hidden} vocab{vocab} all_ignored={all_ignored}"
+    );
+    let ht = tensor_as::<Autodiff<B>, 2>(h, [n, hidden], dtype, device).require_grad();
+    let wt = tensor_as::<Autodiff<B>, 2>(w, [hidden, vocab], dtype, device).require_grad();
     let tt = Tensor::<Autodiff<B>, 1, Int>::from_data(TensorData::new(targets, [n]), device);
     let out = cubecl_kernels::linear_cross_entropy(ht.clone(), wt.clone(), tt, IGNORE)
         .expect("valid shapes");
