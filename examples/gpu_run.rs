@@ -182,6 +182,8 @@ fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Error> 
         comm_timeout: Duration::from_secs(600),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     };
     let program = cfg.program()?;
     // Predict first: a layout the simulator cannot cost is refused before any training.

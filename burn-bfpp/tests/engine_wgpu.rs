@@ -123,6 +123,8 @@ fn breadth_first_zero3_on_wgpu_matches_single_device() {
         comm_timeout: Duration::from_secs(120),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     };
     let shape = [MBS, gpt().seq_len, gpt().hidden];
     let outcome = train_local(&model(), &cfg, STEPS, shape, batch, |_| {}).expect("trains");
