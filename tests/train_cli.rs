@@ -481,7 +481,15 @@ fn an_exhausted_dataset_wraps_to_the_next_epoch_and_says_so() {
 fn precision_flags_and_file_keys_reach_the_engine() {
     let doc = json_of(&train(
         "bf16",
-        &["--steps", "2", "--microbatches", "2", "--precision", "bf16", "--json"],
+        &[
+            "--steps",
+            "2",
+            "--microbatches",
+            "2",
+            "--precision",
+            "bf16",
+            "--json",
+        ],
         &[],
     ));
     assert!(losses(&doc).iter().all(|l| l.is_finite()), "{doc}");

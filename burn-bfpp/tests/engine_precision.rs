@@ -133,7 +133,10 @@ fn check(precision: Precision, loss_tol: f64, param_tol: f64) {
     let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let outcome = train_local(&model(), &cfg, STEPS, activation, batch, |_| {})
         .unwrap_or_else(|e| panic!("{precision}: {e}"));
-    assert!(outcome.skipped_steps.is_empty(), "{precision}: no step overflows");
+    assert!(
+        outcome.skipped_steps.is_empty(),
+        "{precision}: no step overflows"
+    );
     let scale = if precision == Precision::F16 {
         cfg.loss_scaling.initial_scale as f32
     } else {
@@ -166,7 +169,10 @@ fn check(precision: Precision, loss_tol: f64, param_tol: f64) {
         .iter()
         .flatten()
         .any(|&w| (w - half_round(w, precision.dtype())).abs() > 0.0);
-    assert!(rounded, "{precision}: the trained parameters are fp32 master weights");
+    assert!(
+        rounded,
+        "{precision}: the trained parameters are fp32 master weights"
+    );
 }
 
 /// `w` rounded to `dtype` and back.
@@ -205,17 +211,35 @@ fn f16_overflow_skips_the_step_halves_the_scale_and_training_goes_on() {
     let outcome = train_local(&base, &cfg, steps, activation, batch, |_| {}).expect("f16 run");
     let skipped = outcome.skipped_steps.clone();
     println!("skipped {skipped:?}, final scale {}", outcome.loss_scale);
-    assert!(!skipped.is_empty() && skipped[0] == 1, "step 1 overflows: {skipped:?}");
+    assert!(
+        !skipped.is_empty() && skipped[0] == 1,
+        "step 1 overflows: {skipped:?}"
+    );
     let k = skipped.len();
-    assert_eq!(skipped, (1..=k).collect::<Vec<_>>(), "once it fits, it keeps fitting");
-    assert!(k < steps, "training went on after the overflows: {skipped:?}");
+    assert_eq!(
+        skipped,
+        (1..=k).collect::<Vec<_>>(),
+        "once it fits, it keeps fitting"
+    );
+    assert!(
+        k < steps,
+        "training went on after the overflows: {skipped:?}"
+    );
     assert_eq!(
         outcome.loss_scale,
         initial / f64::powi(2.0, k as i32),
         "halved once per skipped step"
     );
-    assert!(outcome.losses.iter().all(|l| l.is_finite()), "{:?}", outcome.losses);
-    assert_ne!(params(&base), params(&outcome.model), "the later steps updated the weights");
+    assert!(
+        outcome.losses.iter().all(|l| l.is_finite()),
+        "{:?}",
+        outcome.losses
+    );
+    assert_ne!(
+        params(&base),
+        params(&outcome.model),
+        "the later steps updated the weights"
+    );
 }
 
 #[test]
@@ -229,7 +253,11 @@ fn f16_scale_doubles_after_the_growth_interval() {
     let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let outcome = train_local(&model(), &cfg, STEPS, activation, batch, |_| {}).expect("f16 run");
     assert!(outcome.skipped_steps.is_empty());
-    assert_eq!(outcome.loss_scale, 1024.0 * 8.0, "doubled after each of the 3 steps");
+    assert_eq!(
+        outcome.loss_scale,
+        1024.0 * 8.0,
+        "doubled after each of the 3 steps"
+    );
 }
 
 #[test]

@@ -197,7 +197,10 @@ impl TrainArgs {
         set(&mut r.on_nonfinite, &self.on_nonfinite);
         set(&mut r.precision, &self.precision);
         set(&mut r.loss_scaling.initial_scale, &self.loss_scale);
-        set(&mut r.loss_scaling.growth_interval, &self.loss_scale_growth_interval);
+        set(
+            &mut r.loss_scaling.growth_interval,
+            &self.loss_scale_growth_interval,
+        );
     }
 
     /// The configuration of this invocation: default, then `--config`, then the flags.

@@ -29,7 +29,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn_bfpp::data::{BatchConfig, BatchLayout, MarkovConfig, VOCAB_SIZE};
-use burn_bfpp::engine::{EngineConfig, EngineError, Fault, LossScaling, NonFinitePolicy, Precision};
+use burn_bfpp::engine::{
+    EngineConfig, EngineError, Fault, LossScaling, NonFinitePolicy, Precision,
+};
 use burn_bfpp::model::{GptConfig, ModelSplit};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};

@@ -75,7 +75,9 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         let [numel] = flat.dims();
         let layout = ShardLayout::new(numel, dp, dp_index, zero);
         let padded = pad(flat, layout.padded);
-        let owned = padded.clone().narrow(0, layout.owned_offset(), layout.owned_len());
+        let owned = padded
+            .clone()
+            .narrow(0, layout.owned_offset(), layout.owned_len());
         let device = owned.device();
         let mut stage = LocalStage {
             index,

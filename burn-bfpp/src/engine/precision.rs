@@ -55,7 +55,11 @@ impl Precision {
     /// Refuses a precision the backend cannot compute in, before any work; `supported` says
     /// whether the backend fully supports a dtype on the run's device (Burn's
     /// `Backend::supports_dtype`).
-    pub fn require(self, backend: &str, supported: impl Fn(DType) -> bool) -> Result<(), EngineError> {
+    pub fn require(
+        self,
+        backend: &str,
+        supported: impl Fn(DType) -> bool,
+    ) -> Result<(), EngineError> {
         if supported(self.dtype()) {
             return Ok(());
         }
@@ -193,7 +197,9 @@ mod tests {
             .to_string();
         assert!(err.contains("cannot compute in BF16"), "{err}");
         assert!(err.contains("--precision fp32"), "{err}");
-        assert!(Precision::Fp32.require("TestBackend", |d| d == DType::F32).is_ok());
+        assert!(Precision::Fp32
+            .require("TestBackend", |d| d == DType::F32)
+            .is_ok());
     }
 
     #[test]

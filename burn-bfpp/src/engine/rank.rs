@@ -123,9 +123,10 @@ where
         )));
     }
     // A dtype the backend cannot compute in is refused before any work, on every rank alike.
-    cfg.precision.require(std::any::type_name::<B::InnerBackend>(), |dtype| {
-        <B::InnerBackend as Backend>::supports_dtype(comm.device(), dtype)
-    })?;
+    cfg.precision
+        .require(std::any::type_name::<B::InnerBackend>(), |dtype| {
+            <B::InnerBackend as Backend>::supports_dtype(comm.device(), dtype)
+        })?;
     let dp_index = comm.group_rank(Group::DataParallel);
     let pp_index = comm.group_rank(Group::Pipeline);
     let mut local: Vec<_> = stages
