@@ -125,7 +125,17 @@ fn reference(dtype: DType, loss_scale: f32) -> (Vec<f64>, Vec<Vec<f32>>) {
 
 /// Breadth-first P=2, V=2, D=2, ZeRO-3 in `precision` against the reference.
 fn check(precision: Precision, loss_tol: f64, param_tol: f64) {
-    let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, DP, ZeroLevel::Zero3);
+    let cfg = config(ScheduleKind::BreadthFirst, 2, 2, DP, ZeroLevel::Zero3);
+    check_layout(cfg, precision, loss_tol, param_tol);
+}
+
+/// `cfg` run in `precision` against the reference.
+fn check_layout(
+    mut cfg: burn_bfpp::engine::EngineConfig,
+    precision: Precision,
+    loss_tol: f64,
+    param_tol: f64,
+) {
     cfg.precision = precision;
     // A scale whose gradients fit f16 from the first step (2^16, the default, overflows on
     // this model's first steps; the overflow test covers that path).
@@ -186,6 +196,15 @@ fn half_round(w: f32, dtype: DType) -> f32 {
 #[test]
 fn bf16_pipelined_training_matches_single_device_bf16() {
     check(Precision::Bf16, 1e-2, 1e-2);
+}
+
+/// ZeRO-0 keeps its module gathered (cast at start-up and after every update, not by
+/// UNSHARD), and recomputation runs each forward twice in the compute dtype.
+#[test]
+fn bf16_zero0_with_recomputation_matches_single_device_bf16() {
+    let mut cfg = config(ScheduleKind::OneFOneB, 2, 1, DP, ZeroLevel::Zero0);
+    cfg.recompute = true;
+    check_layout(cfg, Precision::Bf16, 1e-2, 1e-2);
 }
 
 #[test]
