@@ -290,3 +290,23 @@ fn bad_loss_scaling_is_refused_at_start_up() {
         .to_string();
     assert!(err.contains("growth interval"), "{err}");
 }
+
+/// At ZeRO-3 a rank holds gathered weights in the compute dtype beside its fp32 shard: bf16
+/// holds fewer parameter bytes than fp32 (half for the gathered copies).
+#[test]
+fn bf16_gathered_weights_take_fewer_bytes() {
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    let peak = |precision| {
+        let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, DP, ZeroLevel::Zero3);
+        cfg.precision = precision;
+        let outcome = train_local(&model(), &cfg, 1, activation, batch, |_| {}).expect("run");
+        outcome
+            .peak_param_bytes
+            .iter()
+            .copied()
+            .max()
+            .expect("ranks")
+    };
+    let (fp32, bf16) = (peak(Precision::Fp32), peak(Precision::Bf16));
+    assert!(bf16 < fp32, "bf16 peak {bf16} B, fp32 peak {fp32} B");
+}

@@ -168,16 +168,21 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         Ok(())
     }
 
-    /// Bytes of parameter values held now: the gathered full copy, and the owned shard when
-    /// it is a separate buffer.
+    /// Bytes of parameter values held now: the gathered full copy (in the compute dtype),
+    /// and the fp32 owned shard when it is a separate buffer (sharded, or a half-precision
+    /// module beside the fp32 master copy).
     fn param_bytes(&self) -> usize {
-        let full = if self.gathered { self.layout.numel } else { 0 };
-        let shard = if self.layout.sharded {
-            self.layout.owned_len()
+        let full = if self.gathered {
+            self.layout.numel * self.compute.size()
         } else {
             0
         };
-        (full + shard) * std::mem::size_of::<f32>()
+        let shard = if self.layout.sharded || self.compute != DType::F32 {
+            self.layout.owned_len() * std::mem::size_of::<f32>()
+        } else {
+            0
+        };
+        full + shard
     }
 }
 
