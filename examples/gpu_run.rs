@@ -185,6 +185,8 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
         comm_timeout: Duration::from_secs(600),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     };
     let program = cfg.program()?;
     // Predict first: a layout the simulator cannot cost is refused before any training.

@@ -49,6 +49,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         comm_timeout: Duration::from_secs(300),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     };
 
     // Samples depend only on (step, replica, micro-batch), never on the layout.

@@ -516,3 +516,59 @@ fn fused_ops_train_the_same_model_and_refuse_heads_they_cannot_take() {
     );
     assert_fails("fused-bad-mode", &["--fused", "always"], &[], &["auto"]);
 }
+
+#[test]
+fn precision_flags_and_file_keys_reach_the_engine() {
+    let doc = json_of(&train(
+        "bf16",
+        &[
+            "--steps",
+            "2",
+            "--microbatches",
+            "2",
+            "--precision",
+            "bf16",
+            "--json",
+        ],
+        &[],
+    ));
+    assert!(losses(&doc).iter().all(|l| l.is_finite()), "{doc}");
+
+    // An initial scale far above f16's range overflows every step: each is skipped with a
+    // warning and the scale halved, and the run ends normally although the policy is `stop`.
+    let out = train(
+        "f16-overflow",
+        &[
+            "--steps",
+            "2",
+            "--microbatches",
+            "2",
+            "--precision",
+            "f16",
+            "--loss-scale",
+            "1e30",
+            "--json",
+        ],
+        &[],
+    );
+    let doc = json_of(&out);
+    assert_eq!(doc["skipped_steps"], serde_json::json!([1, 2]));
+    let err = stderr(&out);
+    assert!(err.contains("loss scale was halved"), "{err}");
+
+    let printed = Command::new(env!("CARGO_BIN_EXE_bfpp"))
+        .args(["train", "--print-config", "--precision", "f16"])
+        .args(["--loss-scale-growth-interval", "50"])
+        .output()
+        .expect("the bfpp binary runs");
+    let text = String::from_utf8_lossy(&printed.stdout);
+    assert!(text.contains("precision = \"f16\""), "{text}");
+    assert!(text.contains("growth_interval = 50"), "{text}");
+
+    assert_fails(
+        "bad-precision",
+        &["--precision", "fp8"],
+        &[],
+        &["fp8", "bf16"],
+    );
+}

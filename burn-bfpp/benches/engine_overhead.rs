@@ -74,6 +74,8 @@ fn engine_run(model: &Gpt<B>) -> Vec<f64> {
         comm_timeout: Duration::from_secs(60),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     };
     let shape = [MBS, gpt().seq_len, gpt().hidden];
     train_local(model, &cfg, STEPS, shape, |s, _, m| batch(s, m), |_| {})

@@ -132,6 +132,8 @@ fn engine_config(dp: usize) -> EngineConfig {
         comm_timeout: Duration::from_secs(120),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     }
 }
 

@@ -78,6 +78,8 @@ fn config() -> EngineConfig {
         comm_timeout: Duration::from_secs(120),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     }
 }
 

@@ -114,6 +114,16 @@ pub struct TrainArgs {
     /// naming the step (default), or skip its optimizer update with a warning.
     #[arg(long, value_name = "stop|skip", help_heading = "Run")]
     pub on_nonfinite: Option<burn_bfpp::engine::NonFinitePolicy>,
+    /// Compute dtype of the stages: fp32 (default), bf16, or f16 (with dynamic loss
+    /// scaling). Master weights and AdamW state stay fp32.
+    #[arg(long, value_name = "fp32|bf16|f16", help_heading = "Run")]
+    pub precision: Option<burn_bfpp::engine::Precision>,
+    /// f16 only: initial loss scale (halved on overflow, the step skipped).
+    #[arg(long, value_name = "SCALE", help_heading = "Run")]
+    pub loss_scale: Option<f64>,
+    /// f16 only: finite steps in a row after which the loss scale doubles.
+    #[arg(long, value_name = "STEPS", help_heading = "Run")]
+    pub loss_scale_growth_interval: Option<usize>,
     /// Where the ranks live: MPI processes when started by mpirun/srun (auto), threads of
     /// this process (local), or MPI processes (mpi; needs a build with --features mpi).
     #[arg(long, value_enum, default_value_t, help_heading = "Run")]
@@ -190,6 +200,12 @@ impl TrainArgs {
         set(&mut r.comm_timeout_s, &self.comm_timeout);
         set(&mut r.out_dir, &self.out_dir);
         set(&mut r.on_nonfinite, &self.on_nonfinite);
+        set(&mut r.precision, &self.precision);
+        set(&mut r.loss_scaling.initial_scale, &self.loss_scale);
+        set(
+            &mut r.loss_scaling.growth_interval,
+            &self.loss_scale_growth_interval,
+        );
     }
 
     /// The configuration of this invocation: default, then `--config`, then the flags.

@@ -29,7 +29,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn_bfpp::data::{BatchConfig, BatchLayout, MarkovConfig, VOCAB_SIZE};
-use burn_bfpp::engine::{EngineConfig, EngineError, Fault, NonFinitePolicy};
+use burn_bfpp::engine::{
+    EngineConfig, EngineError, Fault, LossScaling, NonFinitePolicy, Precision,
+};
 use burn_bfpp::model::{GptConfig, ModelSplit};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
@@ -237,6 +239,11 @@ pub struct RunConfig {
     /// A step whose loss or gradient norm is NaN or infinite: `"stop"` the run with an error
     /// naming the step, or `"skip"` its optimizer update with a warning.
     pub on_nonfinite: NonFinitePolicy,
+    /// Compute dtype of the stages: `"fp32"`, `"bf16"` or `"f16"`; master weights, AdamW
+    /// state and checkpoints stay fp32 (docs/precision.md).
+    pub precision: Precision,
+    /// Dynamic loss scaling of `"f16"` runs: `[run.loss_scaling]`.
+    pub loss_scaling: LossScaling,
 }
 
 impl Default for RunConfig {
@@ -247,6 +254,8 @@ impl Default for RunConfig {
             comm_timeout_s: 60.0,
             out_dir: PathBuf::from("bfpp-out"),
             on_nonfinite: NonFinitePolicy::Stop,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::default(),
         }
     }
 }
@@ -432,6 +441,8 @@ impl BfppConfig {
             comm_timeout: Duration::from_secs_f64(r.comm_timeout_s),
             fault,
             on_nonfinite: r.on_nonfinite,
+            precision: r.precision,
+            loss_scaling: r.loss_scaling,
         };
         // Generates, lowers and validates the schedule: catches M not allowed by the schedule,
         // K not dividing M, loops for a non-looped schedule, buffers = 0, ...

@@ -244,7 +244,8 @@ impl Progress {
             tracing::warn!(step = r.step, "non-finite loss or gradient; update skipped");
             let text = format!(
                 "warning: step {}: the loss or the gradient norm is not finite (loss {}); its \
-                 optimizer update was skipped (on_nonfinite = skip)",
+                 optimizer update was skipped (on_nonfinite = skip, or an f16 gradient overflow: \
+                 the loss scale was halved)",
                 r.step, r.loss
             );
             // A warning is printed even without a bar and under --json.

@@ -94,6 +94,8 @@ fn config(pp: usize, loops: usize, dp: usize, zero: ZeroLevel) -> EngineConfig {
         comm_timeout: Duration::from_secs(60),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     }
 }
 

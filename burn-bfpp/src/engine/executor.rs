@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 
 use super::nonfinite::{NonFinitePolicy, NonFiniteReport, GRADIENT, LOSS};
+use super::precision::{LossScaler, LossScaling, Precision};
 use super::shard::ShardLayout;
 use super::snapshot::StageState;
 use super::{EngineError, TimedEvent};
@@ -43,6 +44,20 @@ pub(crate) struct LocalStage<B: AutodiffBackend, S> {
     /// Parameter shapes, to refill the module after its values were freed.
     shapes: Vec<Vec<usize>>,
     gathered: bool,
+    /// The dtype the module computes in; the shard, its moments and gradients stay fp32.
+    compute: DType,
+}
+
+/// `t` in `dtype`, untouched when it is already (so fp32 runs do exactly what they did).
+fn in_dtype<B: burn::tensor::backend::Backend, const D: usize>(
+    t: Tensor<B, D>,
+    dtype: DType,
+) -> Tensor<B, D> {
+    if t.dtype() == dtype {
+        t
+    } else {
+        t.cast(dtype)
+    }
 }
 
 impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
@@ -54,14 +69,17 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         dp_index: usize,
         zero: ZeroLevel,
         adamw: &AdamWSettings,
-    ) -> Self {
-        let flat = flatten_params(&module).inner();
+        compute: DType,
+    ) -> Result<Self, EngineError> {
+        let flat = in_dtype(flatten_params(&module).inner(), DType::F32);
         let [numel] = flat.dims();
         let layout = ShardLayout::new(numel, dp, dp_index, zero);
         let padded = pad(flat, layout.padded);
-        let owned = padded.narrow(0, layout.owned_offset(), layout.owned_len());
+        let owned = padded
+            .clone()
+            .narrow(0, layout.owned_offset(), layout.owned_len());
         let device = owned.device();
-        LocalStage {
+        let mut stage = LocalStage {
             index,
             shapes: param_shapes(&module),
             module,
@@ -72,13 +90,24 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
             grad_owned: None,
             // ZeRO-0 keeps its full, current weights; above, the list gathers them.
             gathered: zero == ZeroLevel::Zero0,
+            compute,
+        };
+        if stage.gathered && compute != DType::F32 {
+            // ZeRO-0 computes with the module as given: it must hold compute-dtype values.
+            stage.refill(padded)?;
         }
+        Ok(stage)
     }
 
     /// Put the stage's full padded flat parameters `padded` into its module (refilling it if
-    /// `RESHARD` freed it).
+    /// `RESHARD` freed it), cast to the compute dtype.
     fn refill(&mut self, padded: Tensor<Inner<B>, 1>) -> Result<(), EngineError> {
-        let values = Tensor::from_inner(padded.narrow(0, 0, self.layout.numel));
+        self.refill_as(padded, self.compute)
+    }
+
+    /// [`Self::refill`] in `dtype` (fp32 for the trained model handed back).
+    fn refill_as(&mut self, padded: Tensor<Inner<B>, 1>, dtype: DType) -> Result<(), EngineError> {
+        let values = Tensor::from_inner(in_dtype(padded.narrow(0, 0, self.layout.numel), dtype));
         let _autodiff = autodiff_lock();
         self.module = load_flat_shaped(self.module.clone(), &values, &self.shapes)?;
         Ok(())
@@ -139,16 +168,21 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         Ok(())
     }
 
-    /// Bytes of parameter values held now: the gathered full copy, and the owned shard when
-    /// it is a separate buffer.
+    /// Bytes of parameter values held now: the gathered full copy (in the compute dtype),
+    /// and the fp32 owned shard when it is a separate buffer (sharded, or a half-precision
+    /// module beside the fp32 master copy).
     fn param_bytes(&self) -> usize {
-        let full = if self.gathered { self.layout.numel } else { 0 };
-        let shard = if self.layout.sharded {
-            self.layout.owned_len()
+        let full = if self.gathered {
+            self.layout.numel * self.compute.size()
         } else {
             0
         };
-        (full + shard) * std::mem::size_of::<f32>()
+        let shard = if self.layout.sharded || self.compute != DType::F32 {
+            self.layout.owned_len() * std::mem::size_of::<f32>()
+        } else {
+            0
+        };
+        full + shard
     }
 }
 
@@ -206,6 +240,10 @@ pub(crate) struct ExecutorSettings {
     pub(crate) max_grad_norm: f64,
     /// What a step with a non-finite loss or gradient norm does.
     pub(crate) on_nonfinite: NonFinitePolicy,
+    /// The dtype the stages compute in.
+    pub(crate) precision: Precision,
+    /// Dynamic loss scaling (f16).
+    pub(crate) loss_scaling: LossScaling,
 }
 
 /// What one optimizer step produced on a rank.
@@ -240,6 +278,8 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     pub(crate) peak_param_bytes: usize,
     /// Make this step's losses and gradients NaN (an injected fault, for tests).
     pub(crate) poison: bool,
+    /// The loss scale (f16) and its history of good steps.
+    scaler: LossScaler,
 }
 
 impl<'c, B, S, C> RankExecutor<'c, B, S, C>
@@ -261,6 +301,7 @@ where
             .map(|(i, s)| (s.index, i))
             .collect();
         let dp_index = comm.group_rank(Group::DataParallel);
+        let scaler = LossScaler::new(settings.precision, settings.loss_scaling);
         let mut exec = RankExecutor {
             comm,
             settings,
@@ -278,9 +319,15 @@ where
             epoch,
             peak_param_bytes: 0,
             poison: false,
+            scaler,
         };
         exec.note_memory();
         exec
+    }
+
+    /// The current loss scale (1 unless f16).
+    pub(crate) fn loss_scale(&self) -> f64 {
+        self.scaler.scale
     }
 
     fn note_memory(&mut self) {
@@ -431,7 +478,8 @@ where
         let (module, leaf, output) = self.run_stage(s, m, value.clone(), batch)?;
         let autodiff = autodiff_lock();
         let (out, loss) = match &output {
-            StageOutput::Hidden(h) => (Some(h.clone().inner()), None),
+            // Activations travel as fp32 (exact for half values): see super::precision.
+            StageOutput::Hidden(h) => (Some(in_dtype(h.clone().inner(), DType::F32)), None),
             StageOutput::Loss(l) => {
                 let loss = l.clone().into_scalar().elem::<f64>();
                 (None, Some(if self.poison { f64::NAN } else { loss }))
@@ -479,10 +527,11 @@ where
         // Burn 0.21's autodiff registry is process-wide and not safe to drive from several
         // threads (see crate::model::autodiff): record graphs only while holding the lock,
         // and never hold it across a blocking communication.
+        let compute = self.settings.precision.dtype();
         let _autodiff = autodiff_lock();
         let (input, leaf) = match (value, &data) {
             (Some(v), _) => {
-                let leaf = input_leaf(Tensor::<B, 3>::from_inner(v));
+                let leaf = input_leaf(Tensor::<B, 3>::from_inner(in_dtype(v, compute)));
                 (StageInput::Hidden(leaf.clone()), Some(leaf))
             }
             (None, Some(d)) => (StageInput::Data(d.inputs.clone()), None),
@@ -527,7 +576,11 @@ where
         };
         // Taken before the lock: a missing gradient is an error, not a wait.
         let out_grad = self.out_grads.remove(&(s, m));
-        let scale = 1.0 / self.settings.microbatches as f64;
+        // The loss scale (f16) multiplies the seed of the backward; the parameter gradients
+        // are divided by it again below, in fp32, and the input gradient stays scaled.
+        let loss_scale = self.scaler.scale;
+        let scale = loss_scale / self.settings.microbatches as f64;
+        let compute = self.settings.precision.dtype();
         let local_prev = s > 0 && self.local(s - 1);
         let poison = self.poison;
         let autodiff = autodiff_lock();
@@ -539,12 +592,18 @@ where
                     stage: s,
                     microbatch: m,
                 })?;
-                stage_backward(h, g)?
+                stage_backward(h, in_dtype(g, compute))?
             }
         };
-        let in_grad = leaf.as_ref().map(|leaf| input_grad(leaf, &grads));
+        let in_grad = leaf
+            .as_ref()
+            .map(|leaf| in_dtype(input_grad(leaf, &grads), DType::F32));
         let stage = self.stage_mut(s)?;
-        let mut flat = pad(flatten_grads(&module, &grads), stage.layout.padded);
+        let mut flat = in_dtype(flatten_grads(&module, &grads), DType::F32);
+        if loss_scale != 1.0 {
+            flat = flat.mul_scalar(1.0 / loss_scale);
+        }
+        let mut flat = pad(flat, stage.layout.padded);
         if poison {
             flat = flat.mul_scalar(f32::NAN);
         }
@@ -656,8 +715,12 @@ where
             total_sq.is_finite(),
         );
         if report.any() {
+            if self.scaler.enabled() && report.loss.is_empty() {
+                return Ok(self.overflow_step(step, report));
+            }
             return self.non_finite_step(step, report);
         }
+        self.scaler.good();
         let coefficient = clip_coefficient(total_sq, self.settings.max_grad_norm);
         for stage in &mut self.stages {
             let grad = stage.grad_owned.take().ok_or(EngineError::Missing {
@@ -700,6 +763,27 @@ where
         }
     }
 
+    /// An f16 step whose gradients overflowed the loss scale: every rank drops the step's
+    /// gradients and halves the scale (whatever the non-finite policy: this is the normal
+    /// working of dynamic loss scaling, not a divergence). Returns that the update was skipped.
+    fn overflow_step(&mut self, step: usize, report: NonFiniteReport) -> bool {
+        for stage in &mut self.stages {
+            stage.grad_owned = None;
+        }
+        let old = self.scaler.scale;
+        self.scaler.overflow();
+        if self.comm.rank() == 0 {
+            tracing::warn!(
+                step,
+                %report,
+                old_scale = old,
+                new_scale = self.scaler.scale,
+                "f16 gradients overflowed: optimizer update skipped, loss scale halved"
+            );
+        }
+        true
+    }
+
     /// The step's mean loss over every micro-batch of every replica, on last-stage ranks.
     fn step_loss(&mut self) -> Result<Option<f64>, EngineError> {
         if !self.local(self.settings.num_stages - 1) {
@@ -720,10 +804,16 @@ where
         let indices: Vec<usize> = self.stages.iter().map(|s| s.index).collect();
         // Gathering everything for the hand-back is not part of training's footprint.
         let peak = self.peak_param_bytes;
+        let comm = self.comm;
         for s in indices {
-            if self.stage_mut(s)?.layout.sharded {
-                self.unshard(s)?;
-            }
+            // The trained model is handed back in fp32: the master weights themselves.
+            let stage = self.stage_mut(s)?;
+            let full = if stage.layout.sharded {
+                comm.all_gather(Group::DataParallel, stage.owned.clone())?
+            } else {
+                stage.owned.clone()
+            };
+            stage.refill_as(full, DType::F32)?;
         }
         self.peak_param_bytes = peak;
         Ok(Finished {

@@ -12,6 +12,7 @@ mod executor;
 #[cfg(feature = "mpi")]
 mod multiprocess;
 mod nonfinite;
+mod precision;
 mod profile;
 mod rank;
 mod shard;
@@ -26,6 +27,7 @@ pub use error::EngineError;
 #[cfg(feature = "mpi")]
 pub use multiprocess::train_mpi;
 pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
+pub use precision::{LossScaling, Precision};
 pub use profile::StepProfile;
 pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
@@ -113,6 +115,11 @@ pub struct EngineConfig {
     pub comm_timeout: Duration,
     /// What a step with a NaN or infinite loss or gradient norm does: stop or skip.
     pub on_nonfinite: NonFinitePolicy,
+    /// The dtype the stages compute in; master weights, AdamW state and reductions stay
+    /// fp32 (see [`Precision`]).
+    pub precision: Precision,
+    /// Dynamic loss scaling, used with [`Precision::F16`] only.
+    pub loss_scaling: LossScaling,
     /// A fault to inject (tests).
     pub fault: Option<Fault>,
 }
@@ -136,6 +143,9 @@ impl EngineConfig {
             return Err(EngineError::Config(
                 "dp must be at least 1 (data-parallel replicas); try --dp 1".into(),
             ));
+        }
+        if self.precision.scales_loss() {
+            self.loss_scaling.validate()?;
         }
         let compute = self.spec().generate()?;
         let lowering = DataParallelLowering {
@@ -162,7 +172,8 @@ pub struct StepReport {
     /// Seconds since the run started.
     pub elapsed: f64,
     /// Whether the optimizer update of this step was skipped because its loss or gradient
-    /// norm was not finite ([`NonFinitePolicy::Skip`]).
+    /// norm was not finite ([`NonFinitePolicy::Skip`]) or, in f16, its gradients overflowed
+    /// the loss scale.
     pub skipped: bool,
 }
 
@@ -182,6 +193,8 @@ pub struct TrainOutcome<M> {
     /// Steps (1-based) whose update was skipped because their loss or gradient norm was not
     /// finite ([`NonFinitePolicy::Skip`]); their entry in `losses` may be NaN.
     pub skipped_steps: Vec<usize>,
+    /// The loss scale after the last step (1 unless [`Precision::F16`]).
+    pub loss_scale: f64,
 }
 
 /// A rank's stages, waiting for its thread to take them.
@@ -288,6 +301,7 @@ where
         .collect();
     // Every rank took the same skip decisions; rank 0's list is everybody's.
     let skipped_steps = results[0].skipped_steps.clone();
+    let loss_scale = results[0].loss_scale;
     let mut stages: Vec<(usize, M::Stage)> = Vec::new();
     let mut timelines = Vec::new();
     let mut peak_param_bytes = Vec::new();
@@ -308,5 +322,6 @@ where
         peak_param_bytes,
         elapsed,
         skipped_steps,
+        loss_scale,
     })
 }

@@ -131,6 +131,7 @@ where
     let elapsed = epoch.elapsed();
     // Every rank took the same skip decisions (they follow a world-wide reduction).
     let skipped_steps = outcome.skipped_steps.clone();
+    let loss_scale = outcome.loss_scale;
 
     let report = RankReport {
         losses: outcome.losses.iter().map(|l| l.map(f64::to_bits)).collect(),
@@ -246,5 +247,6 @@ where
         peak_param_bytes,
         elapsed,
         skipped_steps,
+        loss_scale,
     }))
 }

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::executor::{ExecutorSettings, LocalStage, RankExecutor};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
@@ -41,6 +41,8 @@ pub struct RankOutcome<S> {
     /// Steps whose update was skipped (non-finite loss or gradient norm); the same on every
     /// rank.
     pub skipped_steps: Vec<usize>,
+    /// The loss scale after the last step (1 unless f16); the same on every rank.
+    pub loss_scale: f64,
 }
 
 /// The stages pipeline rank `pp_index` holds under `program`, cut from `model`.
@@ -120,12 +122,27 @@ where
             cfg.dp
         )));
     }
+    // A dtype the backend cannot compute in is refused before any work, on every rank alike.
+    cfg.precision
+        .require(std::any::type_name::<B::InnerBackend>(), |dtype| {
+            <B::InnerBackend as Backend>::supports_dtype(comm.device(), dtype)
+        })?;
     let dp_index = comm.group_rank(Group::DataParallel);
     let pp_index = comm.group_rank(Group::Pipeline);
     let mut local: Vec<_> = stages
         .into_iter()
-        .map(|(s, module)| LocalStage::new(s, module, cfg.dp, dp_index, cfg.zero, &cfg.adamw))
-        .collect();
+        .map(|(s, module)| {
+            LocalStage::new(
+                s,
+                module,
+                cfg.dp,
+                dp_index,
+                cfg.zero,
+                &cfg.adamw,
+                cfg.precision.dtype(),
+            )
+        })
+        .collect::<Result<_, _>>()?;
     let start = checkpointing.start_step();
     if !checkpointing.resume.is_empty() {
         restore_rank(rank, &mut local, checkpointing.resume)?;
@@ -139,6 +156,8 @@ where
         activation_shape: plan.activation_shape,
         max_grad_norm: cfg.max_grad_norm,
         on_nonfinite: cfg.on_nonfinite,
+        precision: cfg.precision,
+        loss_scaling: cfg.loss_scaling,
     };
     let list = plan.program.ranks[pp_index].clone();
     let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch);
@@ -173,6 +192,7 @@ where
             save_rank(comm, &exec, step, checkpointing)?;
         }
     }
+    let loss_scale = exec.loss_scale();
     let finished = exec.finish()?;
     Ok(RankOutcome {
         losses,
@@ -180,5 +200,6 @@ where
         events: finished.events,
         peak_param_bytes: finished.peak_param_bytes,
         skipped_steps,
+        loss_scale,
     })
 }

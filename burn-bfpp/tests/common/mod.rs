@@ -191,5 +191,7 @@ pub fn config(
         comm_timeout: Duration::from_secs(60),
         fault: None,
         on_nonfinite: Default::default(),
+        precision: Default::default(),
+        loss_scaling: Default::default(),
     }
 }
