@@ -194,7 +194,7 @@ pub enum WeightFormat {
     /// A Burn record (`NamedMpkFileRecorder`, full precision): plain Burn's own format.
     Mpk,
     /// safetensors through `burn-store`, one f32 tensor per parameter named by its module
-    /// path (`blocks.0.attn.qkv.weight`): readable outside Burn.
+    /// path (`blocks.0.attention.query.weight`): readable outside Burn.
     Safetensors,
 }
 
@@ -311,5 +311,33 @@ fn out_path(path: &Path, format: WeightFormat) -> PathBuf {
     match format {
         WeightFormat::Mpk => path.with_extension("mpk"),
         WeightFormat::Safetensors => path.with_extension("safetensors"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_extension_picks_the_weight_format_and_the_written_name() {
+        assert_eq!(
+            WeightFormat::of_path(Path::new("w.safetensors")),
+            WeightFormat::Safetensors
+        );
+        assert_eq!(
+            WeightFormat::of_path(Path::new("W.SafeTensors")),
+            WeightFormat::Safetensors
+        );
+        for name in ["w.mpk", "w", "w.bin", "safetensors"] {
+            assert_eq!(WeightFormat::of_path(Path::new(name)), WeightFormat::Mpk);
+        }
+        assert_eq!(
+            out_path(Path::new("w.bin"), WeightFormat::Safetensors),
+            PathBuf::from("w.safetensors")
+        );
+        assert_eq!(
+            out_path(Path::new("w.safetensors"), WeightFormat::Mpk),
+            PathBuf::from("w.mpk")
+        );
     }
 }
