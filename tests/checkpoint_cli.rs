@@ -1,6 +1,7 @@
 //! End-to-end tests of `bfpp train --save/--resume/--init` and `bfpp export`: a resumed run
 //! continues the uninterrupted one (same and other layouts), refusals name the file, and the
-//! exported record loads into the plain single-device GPT with the checkpoint's weights.
+//! exported record (.mpk or .safetensors) loads into the plain single-device GPT with the
+//! checkpoint's weights.
 #![cfg(feature = "flex")]
 
 use std::path::{Path, PathBuf};
@@ -9,8 +10,9 @@ use std::process::{Command, Output};
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use burn_bfpp::checkpoint::{consolidate, load};
+use burn_bfpp::checkpoint::{consolidate, load, param_entries};
 use burn_bfpp::model::{autodiff_lock, flatten_params, Gpt, GptConfig};
+use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde_json::Value;
 
 type B = Autodiff<Flex>;
@@ -264,5 +266,154 @@ fn damaged_or_foreign_checkpoints_are_refused_and_nothing_is_overwritten() {
         err.contains("rank-00001.bin") && err.contains("corrupt"),
         "{err}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_other_models() {
+    let dir = temp_dir("safetensors");
+    let run = dir.join("run");
+    let run_s = run.to_str().expect("utf-8");
+    json_of(&train(
+        &dir,
+        &["--pp", "2", "--steps", "2", "--save", run_s],
+    ));
+    let record = dir.join("weights.mpk");
+    let tensors = dir.join("weights.safetensors");
+    for file in [&record, &tensors] {
+        let out = bfpp(&[
+            "export",
+            "--checkpoint",
+            run_s,
+            "--out",
+            file.to_str().expect("utf-8"),
+        ]);
+        assert!(out.status.success(), "export failed: {}", stderr(&out));
+        assert!(file.is_file(), "{} written", file.display());
+    }
+    // --format overrides the extension (which then becomes .safetensors).
+    let out = bfpp(&[
+        "export",
+        "--checkpoint",
+        run_s,
+        "--format",
+        "safetensors",
+        "--out",
+        dir.join("explicit.bin").to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "export failed: {}", stderr(&out));
+    // (The header's metadata order varies, so compare contents, not bytes, below.)
+    let explicit = dir.join("explicit.safetensors");
+    assert!(
+        explicit.is_file(),
+        "--format safetensors wrote .safetensors"
+    );
+
+    let loaded = load(&run).expect("newest checkpoint");
+    let want = consolidate(&loaded).expect("consolidates").params;
+    let config: GptConfig = serde_json::from_value(loaded.manifest.model.clone()).expect("gpt");
+    let (from_record, from_tensors) = {
+        let _guard = autodiff_lock();
+        // Other seeds than the run's: every value must come from the files.
+        let from_record = config
+            .init_seeded::<B>(12345, &Default::default())
+            .expect("model")
+            .load_file(
+                record.clone(),
+                &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+                &Default::default(),
+            )
+            .expect("the record loads into the plain GPT");
+        let mut from_tensors = config
+            .init_seeded::<B>(54321, &Default::default())
+            .expect("model");
+        let result = from_tensors
+            .load_from(&mut SafetensorsStore::from_file(&tensors))
+            .expect("the safetensors file loads into the plain GPT with burn-store");
+        // Names are the plain model's module paths, one to one.
+        assert!(
+            result.errors.is_empty() && result.missing.is_empty() && result.unused.is_empty(),
+            "{result}"
+        );
+        let mut names: Vec<String> = param_entries(&from_tensors)
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        names.sort();
+        let mut applied = result.applied.clone();
+        applied.sort();
+        assert_eq!(applied, names, "every parameter, by module path");
+        (from_record, from_tensors)
+    };
+    let flat = |m: &Gpt<B>| -> Vec<f32> {
+        flatten_params::<B, Gpt<B>>(m)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32")
+    };
+    assert_eq!(
+        flat(&from_tensors),
+        want,
+        "safetensors weights equal the checkpoint's"
+    );
+    assert_eq!(flat(&from_tensors), flat(&from_record), "and the record's");
+    let from_explicit = {
+        let _guard = autodiff_lock();
+        let mut model = config
+            .init_seeded::<B>(999, &Default::default())
+            .expect("model");
+        model
+            .load_from(&mut SafetensorsStore::from_file(&explicit))
+            .expect("loads");
+        model
+    };
+    assert!(
+        flat(&from_explicit) == want,
+        "--format safetensors writes the same weights"
+    );
+
+    // --init from either file runs the same training (a fresh start would differ).
+    let init = |file: &Path| {
+        json_of(&train(
+            &dir,
+            &["--steps", "2", "--init", file.to_str().expect("utf-8")],
+        ))
+    };
+    let (a, b) = (init(&record), init(&tensors));
+    for (x, y) in losses(&a).iter().zip(&losses(&b)) {
+        assert!(rel(*x, *y) <= 1e-6, "{a} vs {b}");
+    }
+    assert_eq!(losses(&b).len(), 2);
+
+    // A safetensors file of another model is refused before training, naming the tensor.
+    for (field, value, problem) in [("layers", 2, "missing"), ("hidden", 8, "has shape")] {
+        let mut json = loaded.manifest.model.clone();
+        json[field] = value.into();
+        let other: GptConfig = serde_json::from_value(json).expect("gpt");
+        let file = dir.join(format!("other-{field}.safetensors"));
+        {
+            let _guard = autodiff_lock();
+            let model = other
+                .init_seeded::<B>(7, &Default::default())
+                .expect("model");
+            model
+                .save_into(&mut SafetensorsStore::from_file(&file))
+                .expect("writes");
+        }
+        let out = train(
+            &dir,
+            &["--steps", "1", "--init", file.to_str().expect("utf-8")],
+        );
+        assert!(!out.status.success(), "{field}: accepted");
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("other-{field}.safetensors"))
+                && err.contains("another model")
+                && err.contains("tensor `")
+                && err.contains(problem)
+                && err.contains("--layers"),
+            "{err}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

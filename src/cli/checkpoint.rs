@@ -2,7 +2,8 @@
 //! `--init`) and `bfpp export`.
 //!
 //! The library does the work (`burn_bfpp::checkpoint`); this file turns flags into a
-//! [`DirSink`], resharded resume states, or a Burn record of the plain model.
+//! [`DirSink`], resharded resume states, or a weight file of the plain model: a Burn record
+//! (`.mpk`) or safetensors (`.safetensors`, through `burn-store`, keyed by module path).
 
 use std::path::{Path, PathBuf};
 
@@ -17,6 +18,7 @@ use burn_bfpp::data::{Batcher, DataError};
 use burn_bfpp::engine::{EngineConfig, RankState};
 use burn_bfpp::model::{autodiff_lock, load_flat, Gpt, GptConfig};
 use burn_bfpp::schedule::PipelineSchedule;
+use burn_store::{ApplyError, ModuleSnapshot, SafetensorsStore};
 use clap::Args;
 
 use super::train::{Backend, TrainError};
@@ -54,7 +56,8 @@ pub struct CheckpointArgs {
         help_heading = "Checkpoints"
     )]
     pub resume: Option<PathBuf>,
-    /// Start from the weights of a file written by `bfpp export` (a Burn record, .mpk).
+    /// Start from the weights of a file written by `bfpp export`: a Burn record (.mpk) or,
+    /// by its extension, safetensors (.safetensors) with the model's module paths as names.
     #[arg(long, value_name = "FILE", help_heading = "Checkpoints")]
     pub init: Option<PathBuf>,
 }
@@ -94,16 +97,21 @@ pub fn prepare<'a>(
     let json = model_json(model_cfg)?;
     let mut model = model;
     if let Some(file) = &args.init {
-        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
-        let _guard = autodiff_lock();
-        model = model
-            .load_file(file.clone(), &recorder, &Default::default())
-            .map_err(|e| {
-                TrainError::Checkpoint(CheckpointError::Corrupt {
-                    path: file.clone(),
-                    problem: format!("not a Burn record of this model: {e}"),
-                })
-            })?;
+        model = match WeightFormat::of_path(file) {
+            WeightFormat::Mpk => {
+                let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+                let _guard = autodiff_lock();
+                model
+                    .load_file(file.clone(), &recorder, &Default::default())
+                    .map_err(|e| {
+                        TrainError::Checkpoint(CheckpointError::Corrupt {
+                            path: file.clone(),
+                            problem: format!("not a Burn record of this model: {e}"),
+                        })
+                    })?
+            }
+            WeightFormat::Safetensors => load_safetensors(model, file)?,
+        };
     }
     let mut resume = Vec::new();
     let mut start = 0;
@@ -173,10 +181,87 @@ pub struct ExportArgs {
     /// A step directory, or a run directory (its newest complete checkpoint).
     #[arg(long, value_name = "DIR")]
     pub checkpoint: PathBuf,
-    /// The Burn record to write (`NamedMpkFileRecorder`, full precision; the extension becomes
-    /// `.mpk`). Load it with `Gpt::load_file` and the same recorder, or `bfpp train --init`.
+    /// The weight file to write. A `.safetensors` name (or --format safetensors) writes
+    /// safetensors named by the model's module paths (load it with `burn-store`'s
+    /// `SafetensorsStore`); anything else a Burn record (`NamedMpkFileRecorder`, full
+    /// precision; the extension becomes `.mpk`; load it with `Gpt::load_file`). Either works
+    /// with `bfpp train --init`.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+    /// The file format; default: from the extension of --out.
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub format: Option<WeightFormat>,
+}
+
+/// The weight-file formats of `bfpp export` and `bfpp train --init`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightFormat {
+    /// A Burn record (`NamedMpkFileRecorder`, full precision): plain Burn's own format.
+    Mpk,
+    /// safetensors through `burn-store`, one f32 tensor per parameter named by its module
+    /// path (`blocks.0.attention.query.weight`): readable outside Burn.
+    Safetensors,
+}
+
+impl WeightFormat {
+    /// The format a file name says: `.safetensors` is safetensors, anything else a record.
+    pub fn of_path(path: &Path) -> Self {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some(ext) if ext.eq_ignore_ascii_case("safetensors") => Self::Safetensors,
+            _ => Self::Mpk,
+        }
+    }
+}
+
+/// Load safetensors weights into `model`, refusing (before training) a file whose tensors
+/// do not match it one to one: a missing, extra or differently shaped tensor is named.
+fn load_safetensors(model: Gpt<Backend>, file: &Path) -> Result<Gpt<Backend>, TrainError> {
+    // Check everything ourselves (rather than the store's multi-line summary) so that the
+    // error names the first offending tensor and the fix.
+    let mut store = SafetensorsStore::from_file(file)
+        .validate(false)
+        .allow_partial(true);
+    let mut model = model;
+    let result = {
+        let _guard = autodiff_lock();
+        model.load_from(&mut store)
+    }
+    .map_err(|e| {
+        TrainError::Checkpoint(CheckpointError::Corrupt {
+            path: file.to_path_buf(),
+            problem: format!("not a readable safetensors file: {e}"),
+        })
+    })?;
+    const FIX: &str = "export the weights of a model with the same --layers, --hidden, \
+                       --heads, --mlp-ratio, --seq-len and vocabulary, or set those flags to \
+                       the file's model";
+    let problem = if let Some(error) = result.errors.first() {
+        match error {
+            ApplyError::ShapeMismatch {
+                path,
+                expected,
+                found,
+            } => format!("tensor `{path}` has shape {found} but this model's is {expected}"),
+            other => other.to_string(),
+        }
+    } else if let Some((path, _)) = result.missing.first() {
+        format!(
+            "tensor `{path}` of this model is missing from the file ({} of {} missing)",
+            result.missing.len(),
+            result.missing.len() + result.applied.len()
+        )
+    } else if let Some(path) = result.unused.first() {
+        format!(
+            "the file's tensor `{path}` is not in this model ({} such)",
+            result.unused.len()
+        )
+    } else {
+        return Ok(model);
+    };
+    Err(TrainError::Checkpoint(CheckpointError::OtherModel {
+        path: file.to_path_buf(),
+        problem: format!("{problem}; {FIX}"),
+    }))
 }
 
 /// Consolidate a checkpoint into the plain single-device model and write it as a Burn record.
@@ -202,18 +287,62 @@ pub fn export(args: &ExportArgs) -> Result<PathBuf, TrainError> {
         let _guard = autodiff_lock();
         load_flat(model, &flat)?
     };
-    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
-    let out = with_mpk(&args.out);
-    model
-        .save_file(out.clone(), &recorder)
-        .map_err(|e| TrainError::Write {
-            path: out.clone(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+    let format = args
+        .format
+        .unwrap_or_else(|| WeightFormat::of_path(&args.out));
+    let out = out_path(&args.out, format);
+    let written = match format {
+        WeightFormat::Mpk => {
+            let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+            model
+                .save_file(out.clone(), &recorder)
+                .map_err(|e| e.to_string())
+        }
+        WeightFormat::Safetensors => {
+            let mut store = SafetensorsStore::from_file(out.clone()).overwrite(true);
+            model.save_into(&mut store).map_err(|e| e.to_string())
+        }
+    };
+    written.map_err(|e| TrainError::Write {
+        path: out.clone(),
+        source: std::io::Error::other(e),
+    })?;
     Ok(out)
 }
 
-/// The file the recorder writes: it sets the extension to `.mpk` (replacing any other).
-fn with_mpk(path: &Path) -> PathBuf {
-    path.with_extension("mpk")
+/// The file written: the recorder sets the extension to `.mpk` (replacing any other); a
+/// safetensors file gets `.safetensors`, so that `--init` recognises it.
+fn out_path(path: &Path, format: WeightFormat) -> PathBuf {
+    match format {
+        WeightFormat::Mpk => path.with_extension("mpk"),
+        WeightFormat::Safetensors => path.with_extension("safetensors"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_extension_picks_the_weight_format_and_the_written_name() {
+        assert_eq!(
+            WeightFormat::of_path(Path::new("w.safetensors")),
+            WeightFormat::Safetensors
+        );
+        assert_eq!(
+            WeightFormat::of_path(Path::new("W.SafeTensors")),
+            WeightFormat::Safetensors
+        );
+        for name in ["w.mpk", "w", "w.bin", "safetensors"] {
+            assert_eq!(WeightFormat::of_path(Path::new(name)), WeightFormat::Mpk);
+        }
+        assert_eq!(
+            out_path(Path::new("w.bin"), WeightFormat::Safetensors),
+            PathBuf::from("w.safetensors")
+        );
+        assert_eq!(
+            out_path(Path::new("w.safetensors"), WeightFormat::Mpk),
+            PathBuf::from("w.mpk")
+        );
+    }
 }
