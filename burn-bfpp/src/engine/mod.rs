@@ -24,7 +24,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 pub use error::EngineError;
 #[cfg(feature = "mpi")]
-pub use multiprocess::train_mpi;
+pub use multiprocess::{train_mpi, train_mpi_with};
 pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
 pub use profile::StepProfile;
 pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPlan};

@@ -8,7 +8,7 @@
 //! freshly initialised shards and optimizer state, and training continues after its step.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::{Tensor, TensorData};
 
 use super::executor::{LocalStage, RankExecutor};
 use super::shard::ShardLayout;
@@ -153,12 +153,17 @@ where
             sink.write_rank(rank, &RankState { step, stages })
                 .map_err(EngineError::Checkpoint)
         });
-    let failures = count_world::<B, C>(comm, written.is_err())?;
-    written?;
-    if failures > 0 {
+    let failed = failed_ranks::<B, C>(comm, written.is_err())?;
+    if let Err(e) = written {
         return Err(EngineError::Checkpoint(format!(
-            "{failures} other rank(s) failed to write their part of the step-{step} \
-             checkpoint; the previous checkpoint is untouched"
+            "rank {rank} failed to write its part of the step-{step} checkpoint: {e}; the \
+             previous checkpoint is untouched"
+        )));
+    }
+    if !failed.is_empty() {
+        return Err(EngineError::Checkpoint(format!(
+            "rank(s) {failed:?} failed to write their part of the step-{step} checkpoint \
+             (their own error names the file); the previous checkpoint is untouched"
         )));
     }
     let committed = if rank == 0 {
@@ -166,26 +171,39 @@ where
     } else {
         Ok(())
     };
-    let failures = count_world::<B, C>(comm, committed.is_err())?;
+    let failed = failed_ranks::<B, C>(comm, committed.is_err())?;
     committed?;
-    if failures > 0 {
+    if !failed.is_empty() {
         return Err(EngineError::Checkpoint(format!(
-            "rank 0 failed to complete the step-{step} checkpoint"
+            "rank 0 failed to complete the step-{step} checkpoint (its error names the file)"
         )));
     }
     Ok(())
 }
 
-/// The number of world ranks for which `failed` is true (a sum over both groups).
-fn count_world<B, C>(comm: &C, failed: bool) -> Result<usize, EngineError>
+/// The world ranks for which `failed` is true: every rank learns which ones (a sum of
+/// one-hot flags over both groups), so an error anywhere stops all of them naming it.
+fn failed_ranks<B, C>(comm: &C, failed: bool) -> Result<Vec<usize>, EngineError>
 where
     B: AutodiffBackend,
     C: Communicator<B::InnerBackend>,
 {
     let device = comm.device().clone();
-    let flag = Tensor::<B::InnerBackend, 1>::from_floats([f32::from(u8::from(failed))], &device);
-    let flag = comm.all_reduce(Group::Pipeline, flag, ReduceOp::Sum)?;
-    let flag = comm.all_reduce(Group::DataParallel, flag, ReduceOp::Sum)?;
-    let total: f32 = flag.into_scalar().elem();
-    Ok(total.round() as usize)
+    let n = comm.world_size();
+    let mut flags = vec![0.0f32; n];
+    flags[comm.rank()] = f32::from(u8::from(failed));
+    let flags = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(flags, [n]), &device);
+    let flags = comm.all_reduce(Group::Pipeline, flags, ReduceOp::Sum)?;
+    let flags = comm.all_reduce(Group::DataParallel, flags, ReduceOp::Sum)?;
+    let flags = flags
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| EngineError::Checkpoint(format!("failure flags: {e:?}")))?;
+    Ok(flags
+        .iter()
+        .enumerate()
+        .filter(|(_, &f)| f > 0.5)
+        .map(|(r, _)| r)
+        .collect())
 }
