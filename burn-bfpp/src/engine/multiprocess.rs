@@ -70,7 +70,16 @@ where
     P: Fn(&StepReport),
 {
     let fresh = Checkpointing::default();
-    train_mpi_with(comm, model, cfg, steps, activation_shape, batch, on_step, fresh)
+    train_mpi_with(
+        comm,
+        model,
+        cfg,
+        steps,
+        activation_shape,
+        batch,
+        on_step,
+        fresh,
+    )
 }
 
 /// [`train_mpi`] that may resume from saved rank states and save checkpoints, like

@@ -8,12 +8,11 @@
 //! freshly initialised shards and optimizer state, and training continues after its step.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
 
 use super::executor::{LocalStage, RankExecutor};
 use super::shard::ShardLayout;
 use super::EngineError;
-use crate::comm::{Communicator, Group, ReduceOp};
+use crate::comm::{Communicator, Group};
 use crate::model::PipelineStage;
 
 /// One stage's training state on one rank: its owned shard of the padded flat parameters and
@@ -127,8 +126,9 @@ where
 }
 
 /// Hand this rank's state after `step` to the sink, agree with every rank that all writes
-/// succeeded, then let world rank 0 commit. Every rank learns the outcome, so a failed write
-/// anywhere stops every rank with an error instead of leaving some waiting.
+/// succeeded, then let world rank 0 commit. A rank whose write fails returns its error at
+/// once; the runner aborts the world with it, so every other rank (waiting in the
+/// agreement) stops naming that rank and its file instead of waiting.
 pub(super) fn save_rank<B, S, C>(
     comm: &C,
     exec: &RankExecutor<'_, B, S, C>,
@@ -153,57 +153,36 @@ where
             sink.write_rank(rank, &RankState { step, stages })
                 .map_err(EngineError::Checkpoint)
         });
-    let failed = failed_ranks::<B, C>(comm, written.is_err())?;
+    // A rank that failed stops at once: its error (naming it and the file) aborts the world,
+    // so every other rank, waiting in the agreement below, fails naming it too.
     if let Err(e) = written {
         return Err(EngineError::Checkpoint(format!(
             "rank {rank} failed to write its part of the step-{step} checkpoint: {e}; the \
              previous checkpoint is untouched"
         )));
     }
-    if !failed.is_empty() {
-        return Err(EngineError::Checkpoint(format!(
-            "rank(s) {failed:?} failed to write their part of the step-{step} checkpoint \
-             (their own error names the file); the previous checkpoint is untouched"
-        )));
+    world_barrier::<B, C>(comm)?;
+    // Only now, with every rank's files durably written, does rank 0 write the manifest.
+    if rank == 0 {
+        sink.commit(step).map_err(|e| {
+            EngineError::Checkpoint(format!(
+                "rank 0 failed to complete the step-{step} checkpoint: {e}"
+            ))
+        })?;
     }
-    let committed = if rank == 0 {
-        sink.commit(step).map_err(EngineError::Checkpoint)
-    } else {
-        Ok(())
-    };
-    let failed = failed_ranks::<B, C>(comm, committed.is_err())?;
-    committed?;
-    if !failed.is_empty() {
-        return Err(EngineError::Checkpoint(format!(
-            "rank 0 failed to complete the step-{step} checkpoint (its error names the file)"
-        )));
-    }
-    Ok(())
+    // No rank goes on (or exits) before the checkpoint is complete.
+    world_barrier::<B, C>(comm)
 }
 
-/// The world ranks for which `failed` is true: every rank learns which ones (a sum of
-/// one-hot flags over both groups), so an error anywhere stops all of them naming it.
-fn failed_ranks<B, C>(comm: &C, failed: bool) -> Result<Vec<usize>, EngineError>
+/// Wait for every world rank: a barrier of the pipeline group, then of the data-parallel
+/// group (each rank passes the second only once all its data-parallel peers passed the
+/// first, which needed all of theirs).
+fn world_barrier<B, C>(comm: &C) -> Result<(), EngineError>
 where
     B: AutodiffBackend,
     C: Communicator<B::InnerBackend>,
 {
-    let device = comm.device().clone();
-    let n = comm.world_size();
-    let mut flags = vec![0.0f32; n];
-    flags[comm.rank()] = f32::from(u8::from(failed));
-    let flags = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(flags, [n]), &device);
-    let flags = comm.all_reduce(Group::Pipeline, flags, ReduceOp::Sum)?;
-    let flags = comm.all_reduce(Group::DataParallel, flags, ReduceOp::Sum)?;
-    let flags = flags
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| EngineError::Checkpoint(format!("failure flags: {e:?}")))?;
-    Ok(flags
-        .iter()
-        .enumerate()
-        .filter(|(_, &f)| f > 0.5)
-        .map(|(r, _)| r)
-        .collect())
+    comm.barrier(Group::Pipeline)?;
+    comm.barrier(Group::DataParallel)?;
+    Ok(())
 }
