@@ -126,16 +126,7 @@ impl Ranks {
             )
             .map(Some),
             #[cfg(feature = "mpi")]
-            #[cfg(feature = "mpi")]
-            Ranks::Mpi(_) if !checkpointing.resume.is_empty() || checkpointing.sink.is_some() => {
-                Err(EngineError::Config(
-                    "checkpoints (--save, --resume) are not supported yet with ranks as \
-                     separate processes; run the ranks in one process (--comm local)"
-                        .into(),
-                ))
-            }
-            #[cfg(feature = "mpi")]
-            Ranks::Mpi(comm) => burn_bfpp::engine::train_mpi::<Backend, _, _, _>(
+            Ranks::Mpi(comm) => burn_bfpp::engine::train_mpi_with::<Backend, _, _, _>(
                 comm.as_ref(),
                 model,
                 engine,
@@ -143,6 +134,7 @@ impl Ranks {
                 activation,
                 batch,
                 on_step,
+                checkpointing,
             ),
         }
     }

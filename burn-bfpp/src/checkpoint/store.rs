@@ -297,6 +297,10 @@ impl<'a> DirSink<'a> {
         let partial = self.partial_dir(step);
         let mut files = lock(&self.written).remove(&step).unwrap_or_default();
         files.sort_by_key(|f| f.rank);
+        let world = self.template.layout.pp * self.template.layout.dp;
+        if files.len() < world {
+            files = self.files_of_other_processes(&partial, files, world)?;
+        }
         let mut manifest = self.template.clone();
         manifest.step = step;
         manifest.files = files;
@@ -312,6 +316,46 @@ impl<'a> DirSink<'a> {
         fs::rename(&partial, &target).map_err(|e| io_err(&target, e))?;
         sync_dir(&self.run_dir)?;
         self.prune()
+    }
+
+    /// Complete `files` (those this process wrote) with the rank files of the other ranks of
+    /// a `world`, written by other processes (ranks as MPI processes): the engine only
+    /// commits after every rank reported its file durably written, so each is read back from
+    /// the partial directory for its size and checksum. A file rank 0 cannot see means the
+    /// run directory is not shared by all ranks, which a checkpoint needs.
+    fn files_of_other_processes(
+        &self,
+        partial: &Path,
+        mut files: Vec<FileEntry>,
+        world: usize,
+    ) -> Result<Vec<FileEntry>, CheckpointError> {
+        for rank in 0..world {
+            if files.iter().any(|f| f.rank == rank) {
+                continue;
+            }
+            let file = rank_file_name(rank);
+            let path = partial.join(&file);
+            let bytes = match fs::read(&path) {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(CheckpointError::Mismatch(format!(
+                        "rank {rank} reported writing `{}` but rank 0 does not see it; \
+                         --save needs a directory every rank shares (a shared file system \
+                         on several nodes)",
+                        path.display()
+                    )))
+                }
+                Err(e) => return Err(io_err(&path, e)),
+            };
+            files.push(FileEntry {
+                rank,
+                file,
+                bytes: bytes.len() as u64,
+                crc32: crc32_hex(&bytes),
+            });
+        }
+        files.sort_by_key(|f| f.rank);
+        Ok(files)
     }
 
     /// Delete all but the newest `keep` complete checkpoints (called after a save completed).

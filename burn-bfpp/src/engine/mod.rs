@@ -25,7 +25,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 pub use error::EngineError;
 #[cfg(feature = "mpi")]
-pub use multiprocess::train_mpi;
+pub use multiprocess::{train_mpi, train_mpi_with};
 pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
 pub use precision::{LossScaling, Precision};
 pub use profile::StepProfile;

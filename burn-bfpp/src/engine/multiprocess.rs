@@ -9,7 +9,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-use super::rank::{stages_for_rank, train_rank, RankPlan};
+use super::rank::{stages_for_rank, train_rank_with, RankPlan};
+use super::snapshot::Checkpointing;
 use super::{EngineConfig, EngineError, StepReport, TimedEvent, TrainOutcome};
 use crate::comm::{CommError, Communicator, Group, MpiComm};
 use crate::model::{flatten_params, load_flat, recombine, MicroBatch, PipelineModel};
@@ -68,8 +69,55 @@ where
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {
+    let fresh = Checkpointing::default();
+    train_mpi_with(
+        comm,
+        model,
+        cfg,
+        steps,
+        activation_shape,
+        batch,
+        on_step,
+        fresh,
+    )
+}
+
+/// [`train_mpi`] that may resume from saved rank states and save checkpoints, like
+/// [`super::train_local_with`]; `steps` counts total steps, including those before the
+/// resume.
+///
+/// Every process passes the same `checkpointing`: `resume` holds the state of every world
+/// rank (this process restores its own), and the sink must write into a directory all
+/// processes share. Each process writes its own rank's files; world rank 0 commits (writes
+/// the manifest, prunes) only after every rank reported its files durably written.
+#[allow(clippy::too_many_arguments)]
+pub fn train_mpi_with<B, M, F, P>(
+    comm: &MpiComm<B::InnerBackend>,
+    model: &M,
+    cfg: &EngineConfig,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+    on_step: P,
+    checkpointing: Checkpointing<'_>,
+) -> Result<Option<TrainOutcome<M>>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport),
+{
     let result = catch_unwind(AssertUnwindSafe(|| {
-        run(comm, model, cfg, steps, activation_shape, batch, on_step)
+        run(
+            comm,
+            model,
+            cfg,
+            steps,
+            activation_shape,
+            batch,
+            on_step,
+            checkpointing,
+        )
     }));
     let rank = comm.rank();
     let result = match result {
@@ -93,6 +141,7 @@ where
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run<B, M, F, P>(
     comm: &MpiComm<B::InnerBackend>,
     model: &M,
@@ -101,6 +150,7 @@ fn run<B, M, F, P>(
     activation_shape: [usize; 3],
     batch: F,
     on_step: P,
+    checkpointing: Checkpointing<'_>,
 ) -> Result<Option<TrainOutcome<M>>, EngineError>
 where
     B: AutodiffBackend,
@@ -127,7 +177,7 @@ where
         activation_shape,
         epoch,
     };
-    let outcome = train_rank(comm, &plan, stages, &batch, &on_step)?;
+    let outcome = train_rank_with(comm, &plan, stages, &batch, &on_step, checkpointing)?;
     let elapsed = epoch.elapsed();
     // Every rank took the same skip decisions (they follow a world-wide reduction).
     let skipped_steps = outcome.skipped_steps.clone();

@@ -8,12 +8,11 @@
 //! freshly initialised shards and optimizer state, and training continues after its step.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
 
 use super::executor::{LocalStage, RankExecutor};
 use super::shard::ShardLayout;
 use super::EngineError;
-use crate::comm::{Communicator, Group, ReduceOp};
+use crate::comm::{Communicator, Group};
 use crate::model::PipelineStage;
 
 /// One stage's training state on one rank: its owned shard of the padded flat parameters and
@@ -127,8 +126,9 @@ where
 }
 
 /// Hand this rank's state after `step` to the sink, agree with every rank that all writes
-/// succeeded, then let world rank 0 commit. Every rank learns the outcome, so a failed write
-/// anywhere stops every rank with an error instead of leaving some waiting.
+/// succeeded, then let world rank 0 commit. A rank whose write fails returns its error at
+/// once; the runner aborts the world with it, so every other rank (waiting in the
+/// agreement) stops naming that rank and its file instead of waiting.
 pub(super) fn save_rank<B, S, C>(
     comm: &C,
     exec: &RankExecutor<'_, B, S, C>,
@@ -153,39 +153,36 @@ where
             sink.write_rank(rank, &RankState { step, stages })
                 .map_err(EngineError::Checkpoint)
         });
-    let failures = count_world::<B, C>(comm, written.is_err())?;
-    written?;
-    if failures > 0 {
+    // A rank that failed stops at once: its error (naming it and the file) aborts the world,
+    // so every other rank, waiting in the agreement below, fails naming it too.
+    if let Err(e) = written {
         return Err(EngineError::Checkpoint(format!(
-            "{failures} other rank(s) failed to write their part of the step-{step} \
-             checkpoint; the previous checkpoint is untouched"
+            "rank {rank} failed to write its part of the step-{step} checkpoint: {e}; the \
+             previous checkpoint is untouched"
         )));
     }
-    let committed = if rank == 0 {
-        sink.commit(step).map_err(EngineError::Checkpoint)
-    } else {
-        Ok(())
-    };
-    let failures = count_world::<B, C>(comm, committed.is_err())?;
-    committed?;
-    if failures > 0 {
-        return Err(EngineError::Checkpoint(format!(
-            "rank 0 failed to complete the step-{step} checkpoint"
-        )));
+    world_barrier::<B, C>(comm)?;
+    // Only now, with every rank's files durably written, does rank 0 write the manifest.
+    if rank == 0 {
+        sink.commit(step).map_err(|e| {
+            EngineError::Checkpoint(format!(
+                "rank 0 failed to complete the step-{step} checkpoint: {e}"
+            ))
+        })?;
     }
-    Ok(())
+    // No rank goes on (or exits) before the checkpoint is complete.
+    world_barrier::<B, C>(comm)
 }
 
-/// The number of world ranks for which `failed` is true (a sum over both groups).
-fn count_world<B, C>(comm: &C, failed: bool) -> Result<usize, EngineError>
+/// Wait for every world rank: a barrier of the pipeline group, then of the data-parallel
+/// group (each rank passes the second only once all its data-parallel peers passed the
+/// first, which needed all of theirs).
+fn world_barrier<B, C>(comm: &C) -> Result<(), EngineError>
 where
     B: AutodiffBackend,
     C: Communicator<B::InnerBackend>,
 {
-    let device = comm.device().clone();
-    let flag = Tensor::<B::InnerBackend, 1>::from_floats([f32::from(u8::from(failed))], &device);
-    let flag = comm.all_reduce(Group::Pipeline, flag, ReduceOp::Sum)?;
-    let flag = comm.all_reduce(Group::DataParallel, flag, ReduceOp::Sum)?;
-    let total: f32 = flag.into_scalar().elem();
-    Ok(total.round() as usize)
+    comm.barrier(Group::Pipeline)?;
+    comm.barrier(Group::DataParallel)?;
+    Ok(())
 }

@@ -1,0 +1,257 @@
+//! Checkpoints with ranks as MPI processes (`bfpp launch --nproc 4 -- train --save/--resume`,
+//! features `flex` and `mpi`): every process writes its own rank's files and world rank 0 the
+//! manifest; a resumed multi-process run continues the uninterrupted run exactly; checkpoints
+//! move between multi-process and in-process runs in other layouts; a rank that cannot write
+//! stops every rank, is named with its file, and leaves the previous checkpoint intact.
+//!
+//! Needs `mpirun` on PATH (see tests/mpi_cli.rs).
+#![cfg(all(feature = "flex", feature = "mpi"))]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use burn_bfpp::checkpoint::{list_checkpoints, load};
+use serde_json::Value;
+
+/// A 4-block GPT of width 16 on 8-token samples, 8 samples per step in every layout below.
+const TINY: &[&str] = &[
+    "--layers",
+    "4",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--mlp-ratio",
+    "2",
+    "--seq-len",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--comm-timeout",
+    "20",
+];
+/// The multi-process layout: P=2 V=2 D=2 ZeRO-3, four processes.
+const MPI_LAYOUT: &[&str] = &[
+    "--pp",
+    "2",
+    "--loops",
+    "2",
+    "--dp",
+    "2",
+    "--zero",
+    "3",
+    "--microbatches",
+    "2",
+];
+/// Another layout, run in one process: P=4 V=1 D=1 ZeRO-1.
+const OTHER_LAYOUT: &[&str] = &[
+    "--pp",
+    "4",
+    "--loops",
+    "1",
+    "--dp",
+    "1",
+    "--zero",
+    "1",
+    "--microbatches",
+    "4",
+];
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bfpp-mpi-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+    dir
+}
+
+/// `bfpp [launch --nproc 4 --] train --json TINY args`, with its own output folder.
+fn train(mpi: bool, out: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+    if mpi {
+        cmd.args(["launch", "--nproc", "4", "--"]);
+    }
+    cmd.args(["train", "--json", "--out-dir"])
+        .arg(out)
+        .args(TINY)
+        .args(args)
+        .env_remove("BFPP_FAULT_INJECT")
+        .env_remove("BFPP_CKPT_CRASH_AFTER_FILES");
+    if !mpi {
+        cmd.args(["--comm", "local"]);
+    }
+    cmd.output().expect("the bfpp binary runs")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(out.status.success(), "bfpp failed:\n{}", text(out));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{}", text(out)))
+}
+
+fn losses(doc: &Value) -> Vec<f64> {
+    doc["losses"]
+        .as_array()
+        .expect("losses")
+        .iter()
+        .map(|l| l.as_f64().expect("number"))
+        .collect()
+}
+
+fn norm(doc: &Value) -> f64 {
+    doc["param_l2_norm"].as_f64().expect("param_l2_norm")
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    ((a - b) / b).abs()
+}
+
+/// Steps 3 and 4 of `resumed` and its final norm against the uninterrupted `full` run.
+fn assert_continues(what: &str, resumed: &Value, full: &Value, tolerance: f64) {
+    let got = losses(resumed);
+    let want = &losses(full)[2..];
+    assert_eq!(got.len(), 2, "{what}: only steps 3 and 4 run");
+    for (g, w) in got.iter().zip(want) {
+        assert!(rel(*g, *w) <= tolerance, "{what}: {got:?} vs {want:?}");
+    }
+    let (g, w) = (norm(resumed), norm(full));
+    assert!(rel(g, w) <= tolerance, "{what}: norm {g} vs {w}");
+}
+
+fn with<'a>(layout: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
+    layout.iter().chain(more).copied().collect()
+}
+
+#[test]
+fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts() {
+    let dir = temp_dir("resume");
+    let path = |name: &str| dir.join(name).to_str().expect("utf-8").to_string();
+    let (mpi_run, local_run) = (path("mpi-run"), path("local-run"));
+
+    // The uninterrupted reference: four steps in the multi-process layout, in one process
+    // (multi-process runs are bitwise the in-process run, see tests/mpi_cli.rs).
+    let full = json_of(&train(
+        false,
+        &dir.join("full"),
+        &with(MPI_LAYOUT, &["--steps", "4"]),
+    ));
+
+    // Four processes save after every step, keeping one: rank 0 prunes step 1 after step 2.
+    let saved = train(
+        true,
+        &dir.join("mpi-save"),
+        &with(
+            MPI_LAYOUT,
+            &[
+                "--steps",
+                "2",
+                "--save",
+                &mpi_run,
+                "--save-every",
+                "1",
+                "--keep",
+                "1",
+            ],
+        ),
+    );
+    json_of(&saved);
+    let kept = list_checkpoints(Path::new(&mpi_run)).expect("run directory lists");
+    assert_eq!(
+        kept.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![2],
+        "--keep 1"
+    );
+    let names: Vec<_> = std::fs::read_dir(&mpi_run)
+        .expect("run directory")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert_eq!(names.len(), 1, "nothing but step-00000002: {names:?}");
+    // Every rank's file, verified against the manifest's sizes and checksums.
+    let loaded = load(Path::new(&mpi_run)).expect("the checkpoint loads and verifies");
+    assert_eq!(loaded.manifest.files.len(), 4);
+    assert_eq!(loaded.ranks.len(), 4);
+
+    // Four processes resume it: steps 3 and 4 as in the uninterrupted run.
+    let resumed = json_of(&train(
+        true,
+        &dir.join("mpi-resume"),
+        &with(MPI_LAYOUT, &["--steps", "4", "--resume", &mpi_run]),
+    ));
+    assert_continues("multi-process resume", &resumed, &full, 1e-6);
+
+    // One process in another layout resumes the multi-process checkpoint.
+    let local = json_of(&train(
+        false,
+        &dir.join("local-resume"),
+        &with(OTHER_LAYOUT, &["--steps", "4", "--resume", &mpi_run]),
+    ));
+    assert_continues(
+        "in-process resume of an MPI checkpoint",
+        &local,
+        &full,
+        1e-5,
+    );
+
+    // And the reverse: a checkpoint of one process in another layout, resumed by four.
+    json_of(&train(
+        false,
+        &dir.join("local-save"),
+        &with(OTHER_LAYOUT, &["--steps", "2", "--save", &local_run]),
+    ));
+    let back = json_of(&train(
+        true,
+        &dir.join("mpi-resume-local"),
+        &with(MPI_LAYOUT, &["--steps", "4", "--resume", &local_run]),
+    ));
+    assert_continues("MPI resume of an in-process checkpoint", &back, &full, 1e-5);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
+    let dir = temp_dir("fail");
+    let run = dir.join("run");
+    // A directory where rank 3's step-2 file must go: only that rank's rename fails.
+    let blocker = run.join("step-00000002.partial").join("rank-00003.bin");
+    std::fs::create_dir_all(blocker.join("x")).expect("blocker");
+    let run_s = run.to_str().expect("utf-8");
+    let out = train(
+        true,
+        &dir.join("out"),
+        &with(
+            MPI_LAYOUT,
+            &["--steps", "3", "--save", run_s, "--save-every", "1"],
+        ),
+    );
+    let log = text(&out);
+    assert!(!out.status.success(), "the run succeeded:\n{log}");
+    assert!(
+        log.contains("rank 3 failed to write its part of the step-2 checkpoint")
+            && log.contains("rank-00003.bin"),
+        "rank 3 and its file are not named:\n{log}"
+    );
+    // The processes that got to print (mpirun may kill the rest once one exits) all stop
+    // naming rank 3 and its file, rather than waiting for it.
+    let errors: Vec<&str> = log
+        .lines()
+        .filter(|l| l.starts_with("error: training failed"))
+        .collect();
+    assert!(!errors.is_empty(), "no process reported an error:\n{log}");
+    for e in errors {
+        assert!(
+            e.contains("rank 3 failed to write") && e.contains("rank-00003.bin"),
+            "a process did not name rank 3 and its file: {e}"
+        );
+    }
+    let kept = list_checkpoints(&run).expect("run directory lists");
+    assert_eq!(kept.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![1]);
+    load(&run).expect("the step-1 checkpoint is intact");
+    let _ = std::fs::remove_dir_all(&dir);
+}
