@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::CheckpointError;
 use crate::data::DataPosition;
-use crate::engine::{RankState, ShardLayout, StageState};
+use crate::engine::{RankState, ScalerState, ShardLayout, StageState};
 
 /// Format version written into every manifest; a reader refuses any other.
 pub const FORMAT_VERSION: u32 = 1;
@@ -114,6 +114,10 @@ struct RankHeader {
     rank: usize,
     step: usize,
     stages: Vec<StageHeader>,
+    /// The f16 loss scale and its good-step count; absent without loss scaling (and in
+    /// files written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    loss_scale: Option<(f64, usize)>,
 }
 
 /// One stage's entry in a rank file header.
@@ -146,6 +150,7 @@ pub fn encode_rank(rank: usize, state: &RankState) -> Result<Vec<u8>, Checkpoint
                 optimizer_steps: s.optimizer_steps,
             })
             .collect(),
+        loss_scale: state.scaler.map(|s| (s.scale, s.good_steps)),
     };
     let json = serde_json::to_vec(&header).map_err(|e| CheckpointError::Encode(e.to_string()))?;
     let header_len = u32::try_from(json.len())
@@ -222,6 +227,9 @@ pub fn decode_rank(path: &Path, bytes: &[u8]) -> Result<(usize, RankState), Chec
         RankState {
             step: header.step,
             stages,
+            scaler: header
+                .loss_scale
+                .map(|(scale, good_steps)| ScalerState { scale, good_steps }),
         },
     ))
 }

@@ -18,7 +18,7 @@ use super::format::{Manifest, ParamEntry, MANIFEST};
 use super::store::Loaded;
 use super::CheckpointError;
 use crate::comm::RankGrid;
-use crate::engine::{EngineConfig, RankState, ShardLayout, StageState};
+use crate::engine::{EngineConfig, RankState, ScalerState, ShardLayout, StageState};
 use crate::model::{param_shapes, split_model, PipelineModel};
 use crate::schedule::PipelineSchedule;
 
@@ -35,6 +35,8 @@ pub struct GlobalState {
     pub moment_2: Vec<f32>,
     /// AdamW steps taken.
     pub optimizer_steps: usize,
+    /// The f16 loss scale, the same on every rank (world rank 0's file is read for it).
+    pub scaler: Option<ScalerState>,
 }
 
 /// Put a checkpoint's shards back together into the model's global vectors.
@@ -58,6 +60,7 @@ pub fn consolidate(loaded: &Loaded) -> Result<GlobalState, CheckpointError> {
         moment_1: Vec::with_capacity(numel),
         moment_2: Vec::with_capacity(numel),
         optimizer_steps: manifest.optimizer_steps,
+        scaler: loaded.ranks.first().and_then(|r| r.scaler),
     };
     for (index, saved) in manifest.layout.stages.iter().enumerate() {
         let first = shards
@@ -153,6 +156,7 @@ pub fn shard_for(
             ranks.push(RankState {
                 step: global.step,
                 stages,
+                scaler: global.scaler,
             });
         }
     }

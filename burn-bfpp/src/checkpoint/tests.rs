@@ -349,3 +349,66 @@ fn keep_prunes_only_after_a_complete_save() {
     assert_eq!(resolve(&dir).expect("newest"), dir.join(step_dir_name(4)));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An f16 run's loss scale is part of its checkpoint. The initial scale overflows at first
+/// (each such step skipped, the scale halved), so at the save after step 2 the scale is
+/// below its initial value; the resumed run must continue with it and match the
+/// uninterrupted run exactly, while a resume that forgot it would start over from the
+/// initial scale and skip steps the uninterrupted run did not.
+#[test]
+fn an_f16_run_resumes_with_its_loss_scale() {
+    use crate::engine::{LossScaling, Precision};
+    let base = model();
+    let mut cfg = config(2, 2, 1, ZeroLevel::Zero1);
+    cfg.precision = Precision::F16;
+    let initial = 2f64.powi(17);
+    cfg.loss_scaling = LossScaling {
+        initial_scale: initial,
+        growth_interval: 1000,
+    };
+    let full = run(&base, &cfg, STEPS, Checkpointing::default()).expect("full run");
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+
+    let dir = scratch("f16-scale");
+    let sink = sink_for(&dir, &cfg, &base, 0);
+    let ck = Checkpointing {
+        at_end: true,
+        sink: Some(&sink),
+        ..Checkpointing::default()
+    };
+    let first = run(&base, &cfg, 2, ck).expect("first half");
+    assert!(
+        first.loss_scale < initial,
+        "the test needs an overflow in steps 1-2 (scale {}, skipped {:?})",
+        first.loss_scale,
+        first.skipped_steps
+    );
+    let loaded = load(&dir).expect("complete checkpoint");
+    for r in &loaded.ranks {
+        assert_eq!(r.scaler.map(|s| s.scale), Some(first.loss_scale));
+    }
+    let resumed = resume(&loaded, &base, &cfg);
+    assert_eq!(bits(&resumed.losses), bits(&full.losses[2..]));
+    assert_eq!(resumed.loss_scale, full.loss_scale);
+    let later: Vec<usize> = full
+        .skipped_steps
+        .iter()
+        .copied()
+        .filter(|&s| s > 2)
+        .collect();
+    assert_eq!(resumed.skipped_steps, later);
+    assert_eq!(flat(&resumed.model), flat(&full.model));
+
+    // A checkpoint without the scale (written before it was recorded) restarts from the
+    // initial scale, which overflows again: the continuation differs.
+    let mut forgot = loaded.clone();
+    for r in &mut forgot.ranks {
+        r.scaler = None;
+    }
+    let restarted = resume(&forgot, &base, &cfg);
+    assert_ne!(
+        restarted.skipped_steps, later,
+        "{:?}",
+        restarted.skipped_steps
+    );
+}

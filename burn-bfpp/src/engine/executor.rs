@@ -11,7 +11,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 
 use super::nonfinite::{NonFinitePolicy, NonFiniteReport, GRADIENT, LOSS};
-use super::precision::{LossScaler, LossScaling, Precision};
+use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
 use super::shard::ShardLayout;
 use super::snapshot::StageState;
 use super::{EngineError, TimedEvent};
@@ -326,6 +326,16 @@ where
     }
 
     /// The current loss scale (1 unless f16).
+    /// The loss scaler's state, for a checkpoint.
+    pub(crate) fn scaler_state(&self) -> Option<ScalerState> {
+        self.scaler.state()
+    }
+
+    /// Continue with a checkpoint's loss scale.
+    pub(crate) fn restore_scaler(&mut self, state: ScalerState) {
+        self.scaler.restore(state);
+    }
+
     pub(crate) fn loss_scale(&self) -> f64 {
         self.scaler.scale
     }

@@ -27,7 +27,7 @@ pub use error::EngineError;
 #[cfg(feature = "mpi")]
 pub use multiprocess::{train_mpi, train_mpi_with};
 pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
-pub use precision::{LossScaling, Precision};
+pub use precision::{LossScaling, Precision, ScalerState};
 pub use profile::StepProfile;
 pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPlan};
 pub use shard::ShardLayout;

@@ -130,6 +130,16 @@ impl LossScaling {
     }
 }
 
+/// The dynamic loss scale of an f16 run where it stands after a step: saved in checkpoints so
+/// that a resumed run continues with the scale the uninterrupted run would have used.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScalerState {
+    /// The loss scale.
+    pub scale: f64,
+    /// Finite steps in a row since the scale last changed.
+    pub good_steps: usize,
+}
+
 /// The current loss scale and the good steps since it last changed; every rank holds the
 /// same, because every rank takes the same overflow decision (see [`super::nonfinite`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -150,6 +160,23 @@ impl LossScaler {
             scale: if enabled { settings.initial_scale } else { 1.0 },
             good_steps: 0,
             enabled,
+        }
+    }
+
+    /// Where the scale stands, for a checkpoint; `None` without loss scaling.
+    pub(crate) fn state(&self) -> Option<ScalerState> {
+        self.enabled.then_some(ScalerState {
+            scale: self.scale,
+            good_steps: self.good_steps,
+        })
+    }
+
+    /// Continue from a checkpoint's scale (ignored without loss scaling, e.g. an f16
+    /// checkpoint resumed in bf16).
+    pub(crate) fn restore(&mut self, state: ScalerState) {
+        if self.enabled {
+            self.scale = state.scale;
+            self.good_steps = state.good_steps;
         }
     }
 

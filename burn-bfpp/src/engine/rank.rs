@@ -161,6 +161,9 @@ where
     };
     let list = plan.program.ranks[pp_index].clone();
     let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch);
+    if let Some(scaler) = checkpointing.resume.get(rank).and_then(|s| s.scaler) {
+        exec.restore_scaler(scaler);
+    }
     let mut losses = Vec::with_capacity(plan.steps.saturating_sub(start));
     let mut skipped_steps = Vec::new();
     for step in start + 1..=plan.steps {

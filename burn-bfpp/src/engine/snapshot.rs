@@ -10,6 +10,7 @@
 use burn::tensor::backend::AutodiffBackend;
 
 use super::executor::{LocalStage, RankExecutor};
+use super::precision::ScalerState;
 use super::shard::ShardLayout;
 use super::EngineError;
 use crate::comm::{Communicator, Group};
@@ -40,6 +41,9 @@ pub struct RankState {
     pub step: usize,
     /// The rank's stages, in the order the rank holds them.
     pub stages: Vec<StageState>,
+    /// The f16 loss scale after that step (`None` without loss scaling, or from a checkpoint
+    /// that did not record it: the run then starts from the configured initial scale).
+    pub scaler: Option<ScalerState>,
 }
 
 /// Where ranks put their state when a checkpoint is due.
@@ -150,8 +154,15 @@ where
         .map(LocalStage::snapshot)
         .collect::<Result<Vec<_>, _>>()
         .and_then(|stages| {
-            sink.write_rank(rank, &RankState { step, stages })
-                .map_err(EngineError::Checkpoint)
+            sink.write_rank(
+                rank,
+                &RankState {
+                    step,
+                    stages,
+                    scaler: exec.scaler_state(),
+                },
+            )
+            .map_err(EngineError::Checkpoint)
         });
     // A rank that failed stops at once: its error (naming it and the file) aborts the world,
     // so every other rank, waiting in the agreement below, fails naming it too.
