@@ -15,25 +15,14 @@ use burn_bfpp::model::{autodiff_lock, flatten_params, Gpt, GptConfig};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde_json::Value;
 
+mod common;
+use common::TINY;
+
 type B = Autodiff<Flex>;
 
-/// A 4-block GPT of width 16 on 8-token samples, 8 samples per step in every layout below.
-const TINY: &[&str] = &[
-    "--layers",
-    "4",
-    "--hidden",
-    "16",
-    "--heads",
-    "2",
-    "--mlp-ratio",
-    "2",
-    "--seq-len",
-    "8",
-    "--micro-batch-size",
-    "2",
-    "--comm-timeout",
-    "20",
-];
+/// Every run's communication timeout: short, so a hang fails the test quickly.
+const COMM_TIMEOUT: &[&str] = &["--comm-timeout", "20"];
+
 const SAVED_LAYOUT: &[&str] = &[
     "--pp",
     "2",
@@ -67,8 +56,8 @@ fn bfpp(args: &[&str]) -> Output {
 fn train(dir: &Path, args: &[&str]) -> Output {
     let out = dir.join("out");
     let mut all = vec!["train", "--json", "--out-dir", out.to_str().expect("utf-8")];
-    // A flag in `args` replaces TINY's (clap refuses a flag given twice).
-    for pair in TINY.chunks(2) {
+    // A flag in `args` replaces TINY's or the timeout (clap refuses a flag given twice).
+    for pair in [TINY, COMM_TIMEOUT].concat().chunks(2) {
         if !args.contains(&pair[0]) {
             all.extend_from_slice(pair);
         }

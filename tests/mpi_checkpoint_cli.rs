@@ -13,23 +13,9 @@ use std::process::{Command, Output};
 use burn_bfpp::checkpoint::{list_checkpoints, load};
 use serde_json::Value;
 
-/// A 4-block GPT of width 16 on 8-token samples, 8 samples per step in every layout below.
-const TINY: &[&str] = &[
-    "--layers",
-    "4",
-    "--hidden",
-    "16",
-    "--heads",
-    "2",
-    "--mlp-ratio",
-    "2",
-    "--seq-len",
-    "8",
-    "--micro-batch-size",
-    "2",
-    "--comm-timeout",
-    "20",
-];
+mod common;
+use common::TINY;
+
 /// The multi-process layout: P=2 V=2 D=2 ZeRO-3, four processes.
 const MPI_LAYOUT: &[&str] = &[
     "--pp",
@@ -73,6 +59,7 @@ fn train(mpi: bool, out: &Path, args: &[&str]) -> Output {
     cmd.args(["train", "--json", "--out-dir"])
         .arg(out)
         .args(TINY)
+        .args(["--comm-timeout", "20"])
         .args(args)
         .env_remove("BFPP_FAULT_INJECT")
         .env_remove("BFPP_CKPT_CRASH_AFTER_FILES");

@@ -11,20 +11,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// A tiny GPT, P=2 V=2 D=2 ZeRO-3 breadth-first, three steps.
+mod common;
+use common::TINY;
+
+/// With the TINY model: P=2 V=2 D=2 ZeRO-3 breadth-first, three steps.
 const RUN: &[&str] = &[
-    "--layers",
-    "4",
-    "--hidden",
-    "16",
-    "--heads",
-    "2",
-    "--mlp-ratio",
-    "2",
-    "--seq-len",
-    "8",
-    "--micro-batch-size",
-    "2",
     "--pp",
     "2",
     "--loops",
@@ -54,6 +45,7 @@ fn bfpp(nproc: Option<usize>, name: &str, env: &[(&str, &str)]) -> (Output, Path
         cmd.args(["launch", "--nproc", &n.to_string(), "--"]);
     }
     cmd.arg("train")
+        .args(TINY)
         .args(RUN)
         .arg("--out-dir")
         .arg(&dir)

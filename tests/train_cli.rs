@@ -10,21 +10,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// A 4-block (6-layer) GPT of width 16 on 8-token samples.
-const TINY: &[&str] = &[
-    "--layers",
-    "4",
-    "--hidden",
-    "16",
-    "--heads",
-    "2",
-    "--mlp-ratio",
-    "2",
-    "--seq-len",
-    "8",
-    "--micro-batch-size",
-    "2",
-];
+mod common;
+use common::TINY;
 
 /// A folder under the temporary directory, unique to this test process and `name`.
 fn temp_dir(name: &str) -> PathBuf {
