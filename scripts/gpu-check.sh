@@ -2,12 +2,15 @@
 # GPU check for cubecl-kernels, in two halves:
 #
 #   scripts/gpu-check.sh build      on the development machine (Rust toolchain, x86-64):
-#                                   builds the CUDA test binary into target/gpu-check/.
+#                                   builds the CUDA test binary and the kernel benchmark
+#                                   (examples/kernel_bench.rs) into target/gpu-check/.
 #   scripts/gpu-check.sh [run]      on the GPU machine (no Rust, no network; CUDA driver and
 #                                   PyTorch installed), from the repository root with
 #                                   target/gpu-check/ carried along: kernel correctness on
-#                                   CUDA, then PyTorch's reference timings at sequence 2048,
-#                                   head dim 128, bf16, and the ratio table last.
+#                                   CUDA, then the fused kernels against Burn's CUDA path and
+#                                   PyTorch at sequence 2048, head dim 128, bf16 (and the
+#                                   measured peak memory of the fused cross-entropy), and the
+#                                   ratio table last.
 #
 # On a machine without an NVIDIA GPU, `run` performs every step that does not need one
 # (binaries present, Python and PyTorch importable) and then stops with exit status 2 and a
@@ -31,19 +34,21 @@ for l in sys.stdin:
         print(m["executable"])' \
         | while read -r exe; do cp "$exe" "$OUT/cuda_kernels"; done
     [[ -x "$OUT/cuda_kernels" ]] || die "the CUDA test binary was not produced"
+    # The root package's feature set, shared with scripts/gpu-run.sh's build.
+    cargo build --release --features cuda --example kernel_bench
+    cp target/release/examples/kernel_bench "$OUT/kernel_bench"
+    # Without debug information the binaries are a tenth of the size to carry.
+    strip "$OUT/cuda_kernels" "$OUT/kernel_bench"
     echo "built $OUT/cuda_kernels; carry $OUT to the GPU machine and run scripts/gpu-check.sh"
     exit 0
 fi
 
 step "carried binaries"
-[[ -x "$OUT/cuda_kernels" ]] \
-    || die "missing $OUT/cuda_kernels: run 'scripts/gpu-check.sh build' on the build machine first"
-echo "found $OUT/cuda_kernels"
-
-step "python and PyTorch"
-command -v python3 >/dev/null || die "python3 not found"
-python3 -c 'import torch; print("torch", torch.__version__)' \
-    || die "PyTorch is not importable: the reference timings need it"
+for bin in cuda_kernels kernel_bench; do
+    [[ -x "$OUT/$bin" ]] \
+        || die "missing $OUT/$bin: run 'scripts/gpu-check.sh build' on the build machine first"
+    echo "found $OUT/$bin"
+done
 
 step "NVIDIA GPU"
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
@@ -51,15 +56,25 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 nvidia-smi -L
 
+step "python and PyTorch"
+command -v python3 >/dev/null || die "python3 not found"
+python3 -c 'import torch; print("torch", torch.__version__)' \
+    || die "PyTorch is not importable: the reference timings need it"
+
 step "kernel correctness on CUDA (fresh random inputs, NaN-poisoned outputs, float64 oracle)"
 # --include-ignored: tests marked `#[ignore = "needs an NVIDIA GPU"]` (the fused linear +
 # bias + GELU, f32/f16/bf16) are exactly what this machine is for.
 "$OUT/cuda_kernels" --test-threads=1 --include-ignored
 
-step "PyTorch reference timings: seq 2048, head dim 128, bf16"
-python3 - <<'PY'
+step "fused kernels against Burn's CUDA path (bf16; cross-entropy f32 with measured peak memory)"
+"$OUT/kernel_bench" --json "$OUT/kernels.json"
+
+step "PyTorch reference timings at the same shapes, and the ratio table"
+KERNELS_JSON="$OUT/kernels.json" python3 - <<'PY'
+import json, os
 import torch, torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
+ours = json.load(open(os.environ["KERNELS_JSON"]))
 def ms(fn, reps=20):
     for _ in range(3): fn()
     torch.cuda.synchronize()
@@ -69,20 +84,37 @@ def ms(fn, reps=20):
     e.record(); torch.cuda.synchronize()
     return s.elapsed_time(e) / reps
 dev, dt = "cuda", torch.bfloat16
-q, k, v = (torch.randn(4, 16, 2048, 128, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+b, h, n, d = ours["attn_shape"]
+q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
 def attn():
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-x = torch.randn(8192, 1024, device=dev, dtype=dt)
-w = torch.randn(1024, 4096, device=dev, dtype=dt)
-b = torch.randn(4096, device=dev, dtype=dt)
-mlp = lambda: F.gelu(x @ w + b)
-rows = [("attention fwd+bwd (sdpa flash)", ms(attn)), ("matmul+bias+gelu (cuBLAS+epilogue)", ms(mlp))]
+rows_, din, dout = ours["mlp_shape"]
+x = torch.randn(rows_, din, device=dev, dtype=dt)
+w = torch.randn(din, dout, device=dev, dtype=dt)
+bias = torch.randn(dout, device=dev, dtype=dt)
+mlp = lambda: F.gelu(x @ w + bias)
+torch_attn, torch_mlp = ms(attn), ms(mlp)
+print(f"\nshapes: attention {ours['attn_shape']} causal, MLP {ours['mlp_shape']}, {ours['dtype']}; "
+      f"head cross-entropy {ours['ce_shape']} f32")
 print()
-print("| op | PyTorch ms | cubecl-kernels ms | ratio |")
-print("|---|---|---|---|")
-for name, t in rows:
-    # The fused kernels' CUDA timings at this shape need a bf16 benchmark binary, which this
-    # version does not build yet: the column says so instead of showing a number.
-    print(f"| {name} | {t:.3f} | not measured | n/a |")
+print("| op | PyTorch ms | Burn CUDA ms | cubecl-kernels ms | speed vs PyTorch | speed vs Burn | goal |")
+print("|---|---|---|---|---|---|---|")
+for name, t, o, goal in [
+    ("attention fwd+bwd (sdpa flash)", torch_attn, ours["attn_fwd_bwd_ms"], 0.7),
+    ("matmul+bias+GELU fwd (cuBLAS + epilogue)", torch_mlp, ours["mlp_fwd_ms"], 0.8),
+]:
+    ratio = t / o["fused"]
+    verdict = "met" if ratio >= goal else "NOT met"
+    print(f"| {name} | {t:.3f} | {o['burn']:.3f} | {o['fused']:.3f} | {ratio:.2f}x | "
+          f"{o['burn'] / o['fused']:.2f}x | >= {goal}x: {verdict} |")
+o = ours["mlp_fwd_bwd_ms"]
+print(f"| matmul+bias+GELU fwd+bwd | - | {o['burn']:.3f} | {o['fused']:.3f} | - | {o['burn'] / o['fused']:.2f}x | - |")
+o = ours["ce_fwd_bwd_ms"]
+print(f"| linear cross-entropy fwd+bwd | - | {o['burn']:.3f} | {o['fused']:.3f} | - | {o['burn'] / o['fused']:.2f}x | - |")
+m = ours["ce_peak_bytes"]
+ratio = m["burn"] / max(m["fused"], 1)
+print(f"\nlinear cross-entropy peak memory (measured pool growth, forward + backward): materialised "
+      f"{m['burn'] / 2**20:.1f} MiB, fused {m['fused'] / 2**20:.1f} MiB, {ratio:.1f}x less "
+      f"(goal >= 10x: {'met' if ratio >= 10 else 'NOT met'})")
 PY

@@ -8,7 +8,7 @@ use burn::backend::wgpu::{Wgpu, WgpuDevice};
 use burn::backend::Autodiff;
 use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use criterion::{criterion_group, criterion_main, Criterion};
-use cubecl_kernels::reference;
+use cubecl_kernels::{memory, reference};
 
 type A = Autodiff<Wgpu>;
 
@@ -16,26 +16,10 @@ fn float<const D: usize>(t: burn::tensor::ops::FloatTensor<A>) -> Tensor<A, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-/// Extra bytes each path allocates for the linear cross-entropy (forward + backward), beyond
-/// the inputs, f32: the materialised path holds the logits and their gradient
-/// (`2·n·V`), the fused one five per-token 4-byte vectors (loss terms, lse, validity,
-/// coefficients, i32 targets); both produce `dh` and `dW`.
-fn ce_peak_bytes(n: u64, vocab: u64, hidden: u64) -> (u64, u64) {
-    let grads = (n * hidden + hidden * vocab) * 4;
-    (2 * n * vocab * 4 + grads, 5 * n * 4 + grads)
-}
-
-/// Bytes the MLP's first linear + GELU keeps alive between forward and backward beyond its
-/// inputs, f32: Burn's composed path saves GELU's input `z = x·W + b` (`n·m` values) for
-/// `gelu_backward`; the fused op saves only references to `x`, `W`, `b` and recomputes `z`.
-fn mlp_saved_bytes(n: u64, d_out: u64) -> (u64, u64) {
-    (n * d_out * 4, 0)
-}
-
 fn bench(c: &mut Criterion) {
     let dev = WgpuDevice::Cpu;
     let (n, hidden, vocab) = (8192u64, 1024u64, 50304u64);
-    let (mat, fused) = ce_peak_bytes(n, vocab, hidden);
+    let (mat, fused) = memory::linear_cross_entropy_extra_bytes(n, hidden, vocab, 4);
     println!(
         "linear CE {n}x{hidden}->{vocab}, fwd+bwd extra memory (analytic, f32): materialised {:.1} MiB, fused {:.1} MiB, ratio {:.1}x",
         mat as f64 / 1048576.0,
@@ -44,7 +28,7 @@ fn bench(c: &mut Criterion) {
     );
 
     let (n, din, dout) = (8192u64, 1024u64, 4096u64);
-    let (composed, fused) = mlp_saved_bytes(n, dout);
+    let (composed, fused) = memory::linear_gelu_saved_bytes(n, dout, 4);
     println!(
         "linear+bias+GELU {n}x{din}->{dout}, f32 memory held from forward to backward beyond the inputs (analytic): Burn composed {:.1} MiB, fused {:.1} MiB",
         composed as f64 / 1048576.0,

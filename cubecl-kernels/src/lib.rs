@@ -12,6 +12,7 @@ pub mod api;
 mod autodiff;
 pub mod cube;
 mod error;
+pub mod memory;
 mod ops;
 pub mod reference;
 

@@ -7,7 +7,10 @@ mod common;
 
 use burn::backend::cuda::{Cuda, CudaDevice};
 use burn::tensor::DType;
-use common::{attn_case, check_attention, check_linear_ce, check_linear_gelu_dtype, Rng};
+use common::{
+    attn_case, check_attention, check_attention_dtype, check_linear_ce, check_linear_ce_dtype,
+    check_linear_gelu_dtype, Rng,
+};
 
 const TOL: f64 = 1e-4;
 
@@ -61,5 +64,26 @@ fn cuda_linear_gelu_matches_f64_oracle() {
         ] {
             check_linear_gelu_dtype::<Cuda>(&dev, &mut rng, shape, dtype, tol);
         }
+    }
+}
+
+/// Flash attention and the fused linear cross-entropy in f16 and bf16 on CUDA (the production
+/// types; lavapipe refuses bf16, so this is where bf16 is checked).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_attention_and_linear_ce_half_types_match_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("cuda attention/linear_ce f16/bf16");
+    for dtype in [DType::F16, DType::BF16] {
+        for (shape, causal, masked) in [
+            ([1, 2, 33, 45, 16], true, true),
+            ([2, 2, 130, 130, 128], true, false),
+            ([1, 1, 64, 97, 64], false, true),
+        ] {
+            let c = attn_case(&mut rng, shape, causal, masked);
+            check_attention_dtype::<Cuda>(&dev, &mut rng, &c, dtype, 1e-2);
+        }
+        check_linear_ce_dtype::<Cuda>(&dev, &mut rng, [33, 40, 70], false, dtype, 1e-2);
+        check_linear_ce_dtype::<Cuda>(&dev, &mut rng, [100, 64, 1000], false, dtype, 1e-2);
     }
 }
