@@ -23,7 +23,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_bfpp::data::{BatchConfig, BatchLayout, Batcher, MarkovConfig, MarkovCorpus};
-use burn_bfpp::engine::{train_local, EngineConfig, StepProfile};
+use burn_bfpp::engine::{train_local_on, Checkpointing, EngineConfig, StepProfile};
 use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, ModelSplit};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
@@ -85,6 +85,15 @@ struct Args {
     /// Untimed steps at the start (kernel compilation, autotuning, allocator growth).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// GPUs to spread the ranks over (CUDA only): world rank `r` runs on GPU `r % gpus`.
+    /// Activations and collectives cross GPUs through host memory (Burn's `LocalComm`), not
+    /// NCCL: a correctness check of multi-GPU placement, not a scaling measurement.
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+    /// Compute precision of the stages: fp32, bf16 (the default: what the MFU's bf16 peak
+    /// counts) or f16 (with dynamic loss scaling). Master weights and optimizer state stay fp32.
+    #[arg(long, default_value = "bf16")]
+    precision: burn_bfpp::engine::Precision,
     /// ZeRO level 0–3.
     #[arg(long, default_value_t = 3)]
     zero: u8,
@@ -103,20 +112,35 @@ type Error = Box<dyn std::error::Error>;
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
+    if args.gpus == 0 {
+        return Err("--gpus 0: give at least one GPU".into());
+    }
+    if args.gpus != 1 && args.backend != BackendChoice::Cuda {
+        return Err(format!(
+            "--gpus {} applies to --backend cuda only; use --gpus 1 with {:?}",
+            args.gpus, args.backend
+        )
+        .into());
+    }
     match args.backend {
         BackendChoice::Flex => {
-            run::<burn::backend::Autodiff<burn::backend::Flex>>(&args, Default::default())
+            run::<burn::backend::Autodiff<burn::backend::Flex>>(&args, Default::default(), |_| {
+                Default::default()
+            })
         }
         #[cfg(feature = "wgpu")]
         BackendChoice::Wgpu => run::<burn::backend::Autodiff<burn::backend::Wgpu>>(
             &args,
             burn::backend::wgpu::WgpuDevice::default(),
+            |_| burn::backend::wgpu::WgpuDevice::default(),
         ),
         #[cfg(feature = "cuda")]
         BackendChoice::Cuda => run::<burn::backend::Autodiff<burn::backend::Cuda>>(
             &args,
             burn::backend::cuda::CudaDevice::new(0),
+            burn::backend::cuda::CudaDevice::new,
         ),
+
         #[allow(unreachable_patterns)]
         other => Err(format!(
             "backend {other:?} is not built into this binary: rebuild with `--features {}`",
@@ -138,9 +162,12 @@ fn shape(args: &Args) -> GptShape {
     }
 }
 
+/// Trains on `device` (the model, the data and GPU 0) with world rank `r` on
+/// `device_of(r % args.gpus)`.
 fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
     args: &Args,
     device: B::Device,
+    device_of: impl Fn(usize) -> B::Device,
 ) -> Result<(), Error> {
     if args.warmup >= args.steps {
         return Err(format!(
@@ -185,7 +212,7 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
         comm_timeout: Duration::from_secs(600),
         fault: None,
         on_nonfinite: Default::default(),
-        precision: Default::default(),
+        precision: args.precision,
         loss_scaling: Default::default(),
     };
     let program = cfg.program()?;
@@ -220,27 +247,40 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
         args.backend, args.layers, args.hidden, args.heads, args.seq_len, args.vocab
     );
     println!(
-        "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}; {} ranks as threads \
-         sharing one device",
+        "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}, {}; {} ranks as \
+         threads on {} device(s)",
         args.pp,
         args.loops,
         args.dp,
         args.microbatches,
         args.micro_batch_size,
         args.zero,
-        args.pp * args.dp
+        args.precision,
+        args.pp * args.dp,
+        args.gpus.min(args.pp * args.dp)
     );
     let ends = Mutex::new(Vec::new());
     let activation = [args.micro_batch_size, gpt.seq_len, gpt.hidden];
-    let outcome = train_local(&model, &cfg, args.steps, activation, batch, |r| {
-        println!(
-            "step {:>3}  loss {:.4}  at {:.2} s",
-            r.step, r.loss, r.elapsed
-        );
-        ends.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(r.elapsed);
-    })?;
+    let world = args.pp * args.dp;
+    let devices: Vec<B::Device> = (0..world).map(|r| device_of(r % args.gpus)).collect();
+    let outcome = train_local_on(
+        &model,
+        &cfg,
+        devices,
+        args.steps,
+        activation,
+        batch,
+        |r| {
+            println!(
+                "step {:>3}  loss {:.4}  at {:.2} s",
+                r.step, r.loss, r.elapsed
+            );
+            ends.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(r.elapsed);
+        },
+        Checkpointing::default(),
+    )?;
     // Reading the parameters waits for every queued kernel, so the last step's time is real.
     let norm = param_l2_norm(&outcome.model);
     let ends = ends.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -252,7 +292,8 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
     };
     let tokens = (samples * args.seq_len) as f64;
     let flops = shape(args).step_model_flops(samples);
-    let tflops = flops / step_s / 1e12;
+    // Per GPU: the step's model FLOPs shared by the devices the ranks ran on.
+    let tflops = flops / step_s / 1e12 / args.gpus.min(args.pp * args.dp) as f64;
 
     let profile = StepProfile::measure(&outcome.timelines, args.pp, args.steps);
 
@@ -301,9 +342,10 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
         "bubble (last step)", bubble, predicted.bubble_fraction
     );
     println!(
-        "measured: one device shared by {} ranks (their computes take turns); simulated: one {} \
-         per rank. MFU against {:.0} TFLOP/s.",
+        "measured: {} ranks on {} device(s) (ranks sharing a device take turns); simulated: \
+         one {} per rank. MFU against {:.0} TFLOP/s.",
         args.pp * args.dp,
+        args.gpus.min(args.pp * args.dp),
         args.hardware,
         args.peak_tflops
     );

@@ -108,6 +108,11 @@ fn refuses_bad_settings_with_the_fix() {
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(stderr.contains("raise --steps"), "{stderr}");
 
+    let result = run(&["--backend", "flex", "--gpus", "2"]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(stderr.contains("--backend cuda only"), "{stderr}");
+
     if !cfg!(feature = "cuda") {
         let result = run(&["--backend", "cuda"]);
         assert!(!result.status.success());

@@ -6,12 +6,13 @@
 
 use std::time::Duration;
 
+use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_bfpp::engine::{train_local, EngineConfig};
+use burn_bfpp::engine::{train_local, train_local_on, Checkpointing, EngineConfig};
 use burn_bfpp::model::{
     autodiff_lock, FusedMode, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel,
     Targets,
@@ -140,10 +141,38 @@ fn engine_config(dp: usize) -> EngineConfig {
 /// Trains `model` with the engine (breadth-first, P = 2, V = 2, D = 2, ZeRO-3) and checks it
 /// against [`reference`]: losses within 1e-5, parameters within `param_tol` relative.
 fn check_against_single_device(model: &Gpt<B>, fused_head: bool, param_tol: f32) {
+    check_on_devices(model, fused_head, param_tol, None);
+}
+
+/// [`check_against_single_device`] with world rank `r` on `devices[r]` when given.
+fn check_on_devices(
+    model: &Gpt<B>,
+    fused_head: bool,
+    param_tol: f32,
+    devices: Option<Vec<WgpuDevice>>,
+) {
     let dp = 2;
     let cfg = engine_config(dp);
     let shape = [MBS, model.config().seq_len, model.config().hidden];
-    let outcome = train_local(model, &cfg, STEPS, shape, batch, |_| {}).expect("trains");
+    let outcome = match devices {
+        None => train_local(model, &cfg, STEPS, shape, batch, |_| {}),
+        Some(devices) => train_local_on(
+            model,
+            &cfg,
+            devices,
+            STEPS,
+            shape,
+            batch,
+            |_| {},
+            Checkpointing::default(),
+        ),
+    }
+    .expect("trains");
+    let home = model.devices();
+    assert!(
+        outcome.model.devices().iter().all(|d| home.contains(d)),
+        "the trained model comes back on the device of the model passed in"
+    );
     let (want_losses, want_params) = reference(dp, model.clone(), fused_head);
     for (got, want) in outcome.losses.iter().zip(&want_losses) {
         assert!(
@@ -198,4 +227,20 @@ fn breadth_first_zero3_with_fused_kernels_matches_single_device() {
     };
     assert_eq!(model.config().fused, FusedMode::Auto);
     check_against_single_device(&model, true, 3e-5);
+}
+
+/// Ranks on different devices: the four ranks alternate between two wgpu devices (the CPU
+/// adapter under two device ids, so two CubeCL servers whose buffers cannot be mixed, as two
+/// GPUs), while the model and the batches are built on the default one. Each rank must move
+/// its stages and micro-batches to its own device; the result equals single-device training.
+#[test]
+fn ranks_on_two_devices_match_single_device() {
+    let written_out = model().with_fused(FusedMode::Off).expect("valid");
+    let devices = vec![
+        WgpuDevice::Cpu,
+        WgpuDevice::DefaultDevice,
+        WgpuDevice::DefaultDevice,
+        WgpuDevice::Cpu,
+    ];
+    check_on_devices(&written_out, false, 1e-5, Some(devices));
 }

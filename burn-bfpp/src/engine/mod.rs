@@ -34,7 +34,9 @@ pub use shard::ShardLayout;
 pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};
 
 use crate::comm::{run_ranks, CommConfig, Communicator, LocalComm, RankError, RankGrid};
-use crate::model::{recombine, split_model, MicroBatch, ModelSplit, PipelineModel};
+use crate::model::{
+    module_to_device, recombine, split_model, MicroBatch, ModelSplit, PipelineModel,
+};
 use crate::optim::{AdamWSettings, LrSchedule};
 use crate::schedule::{
     lower_data_parallel, lower_p2p, validate, Action, DataParallelLowering, PipelineSchedule,
@@ -243,10 +245,48 @@ where
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport) + Sync,
 {
+    let grid = RankGrid::new(cfg.pp, cfg.dp)?;
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    let devices = vec![device; grid.world_size()];
+    train_local_on(
+        model,
+        cfg,
+        devices,
+        steps,
+        activation_shape,
+        batch,
+        on_step,
+        checkpointing,
+    )
+}
+
+/// [`train_local_with`] with world rank `r` computing on `devices[r]` (one GPU per rank, or
+/// several ranks per GPU): each rank moves its stages and micro-batches to its device, and
+/// activations cross devices through [`LocalComm`] (host copies, not NCCL). The returned model
+/// is on the device of `model`. `devices` must hold `pp × dp` devices.
+#[allow(clippy::too_many_arguments)]
+pub fn train_local_on<B, M, F, P>(
+    model: &M,
+    cfg: &EngineConfig,
+    devices: Vec<B::Device>,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+    on_step: P,
+    checkpointing: Checkpointing<'_>,
+) -> Result<TrainOutcome<M>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    M::Stage: Send,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport) + Sync,
+{
     let program = cfg.program()?;
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
+    let home = model.devices().into_iter().next().unwrap_or_default();
     let comms: Vec<LocalComm<B::InnerBackend>> =
-        LocalComm::create(grid, CommConfig::with_timeout(cfg.comm_timeout));
+        LocalComm::create_with_devices(grid, devices, CommConfig::with_timeout(cfg.comm_timeout))?;
     // Split once; each rank takes its own stages out of this table inside its thread.
     let ranges = split_model(model, program.num_stages(), &cfg.split)?;
     let mut modules: Vec<Option<M::Stage>> = model.stages(&ranges)?.into_iter().map(Some).collect();
@@ -313,7 +353,10 @@ where
         peak_param_bytes.push(r.peak_param_bytes);
     }
     stages.sort_by_key(|(s, _)| *s);
-    let stages: Vec<M::Stage> = stages.into_iter().map(|(_, s)| s).collect();
+    let stages: Vec<M::Stage> = stages
+        .into_iter()
+        .map(|(_, s)| module_to_device(s, &home))
+        .collect();
     let model = recombine(model.clone(), &stages)?;
     Ok(TrainOutcome {
         losses,

@@ -9,7 +9,7 @@ use super::executor::{ExecutorSettings, LocalStage, RankExecutor};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
 use super::{EngineConfig, EngineError, FaultKind, StepReport, TimedEvent};
 use crate::comm::{Communicator, Group};
-use crate::model::{split_model, MicroBatch, PipelineModel, PipelineStage};
+use crate::model::{module_to_device, split_model, MicroBatch, PipelineModel, PipelineStage};
 use crate::schedule::PipelineSchedule;
 
 /// What every rank of a run shares besides its communicator, stages and data.
@@ -129,9 +129,13 @@ where
         })?;
     let dp_index = comm.group_rank(Group::DataParallel);
     let pp_index = comm.group_rank(Group::Pipeline);
+    // The rank computes on its communicator's device (received tensors arrive there); stages
+    // cut from a model elsewhere move first, as leaves with their own autodiff graph.
+    let device = comm.device().clone();
     let mut local: Vec<_> = stages
         .into_iter()
         .map(|(s, module)| {
+            let module = module_to_device(module, &device);
             LocalStage::new(
                 s,
                 module,
@@ -176,7 +180,7 @@ where
         }
         exec.poison = fault.is_some_and(|f| f.kind == FaultKind::NonFinite);
         let lr = cfg.lr.lr(step);
-        let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb);
+        let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb).to_device(&device);
         let outcome = exec.step(step, lr, &data)?;
         if outcome.skipped {
             skipped_steps.push(step);

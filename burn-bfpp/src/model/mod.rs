@@ -25,6 +25,7 @@ pub mod autodiff;
 mod error;
 mod gpt;
 mod params;
+mod placement;
 mod split;
 #[cfg(all(test, feature = "flex"))]
 mod tests;
@@ -45,6 +46,7 @@ pub use params::{
     flatten_params, load_flat, load_flat_shaped, materialize, param_shapes, recombine,
     release_params,
 };
+pub use placement::{module_to_device, tensor_to_device};
 pub use split::{balanced_split, split_model, stage_costs, ModelSplit};
 
 /// The inputs of a micro-batch, consumed by the first stage.
@@ -72,6 +74,24 @@ pub struct MicroBatch<B: Backend> {
     pub inputs: Inputs<B>,
     /// What the last stage's loss compares against.
     pub targets: Targets<B>,
+}
+
+impl<B: Backend> MicroBatch<B> {
+    /// The same micro-batch on `device`: the data closure builds batches wherever it likes,
+    /// and each rank moves them to the device it computes on (a no-op where they are).
+    /// Moves through host memory where needed (see [`tensor_to_device`]).
+    pub fn to_device(self, device: &B::Device) -> Self {
+        MicroBatch {
+            inputs: match self.inputs {
+                Inputs::Tokens(t) => Inputs::Tokens(tensor_to_device(t, device)),
+                Inputs::Features(t) => Inputs::Features(tensor_to_device(t, device)),
+            },
+            targets: match self.targets {
+                Targets::Tokens(t) => Targets::Tokens(tensor_to_device(t, device)),
+                Targets::Values(t) => Targets::Values(tensor_to_device(t, device)),
+            },
+        }
+    }
 }
 
 /// What a stage receives.
