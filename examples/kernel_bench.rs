@@ -133,126 +133,157 @@ mod bench {
         Tensor::from_primitive(TensorPrimitive::Float(t))
     }
 
-    /// Attention forward + backward (bf16 where the device has it), fused against Burn's own
-    /// attention op under autodiff.
-    fn bench_attention(device: &Device, s: &Shapes, dtype: DType) -> (f64, f64) {
-        let [b, h, n, d] = s.attn;
-        let q = random::<A, 4>([b, h, n, d], 1.0, dtype, device);
-        let k = random::<A, 4>([b, h, n, d], 1.0, dtype, device);
-        let v = random::<A, 4>([b, h, n, d], 1.0, dtype, device);
+    /// The three fused ops, as named on the command line and in the JSON.
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    enum Op {
+        Attention,
+        Mlp,
+        Ce,
+    }
+
+    const OPS: [Op; 3] = [Op::Attention, Op::Mlp, Op::Ce];
+
+    impl Op {
+        fn name(self) -> &'static str {
+            match self {
+                Op::Attention => "attention",
+                Op::Mlp => "mlp",
+                Op::Ce => "ce",
+            }
+        }
+        fn parse(text: &str) -> Option<Op> {
+            OPS.into_iter().find(|op| op.name() == text)
+        }
+    }
+
+    /// One op's inputs under autodiff, made before a memory measurement starts.
+    enum OpInputs {
+        /// q, k, v `[batch, heads, seq, head_dim]`, causal.
+        Attention([Tensor<A, 4>; 3]),
+        /// x `[n, d_in]`, W `[d_in, d_out]`, b `[d_out]`.
+        Mlp(Tensor<A, 2>, Tensor<A, 2>, Tensor<A, 1>),
+        /// Hidden states, head weight (f32) and targets (every 7th the ignore index).
+        Ce(Tensor<A, 2>, Tensor<A, 2>, Tensor<A, 1, Int>),
+    }
+
+    fn op_inputs(op: Op, device: &Device, s: &Shapes, half: DType) -> OpInputs {
+        match op {
+            Op::Attention => {
+                let dims = s.attn;
+                OpInputs::Attention([0; 3].map(|_| random::<A, 4>(dims, 1.0, half, device)))
+            }
+            Op::Mlp => {
+                let [n, din, dout] = s.mlp;
+                OpInputs::Mlp(
+                    random::<A, 2>([n, din], 1.0, half, device),
+                    random::<A, 2>([din, dout], 0.05, half, device),
+                    random::<A, 1>([dout], 0.05, half, device),
+                )
+            }
+            Op::Ce => {
+                let [n, hidden, vocab] = s.ce;
+                let t: Vec<i64> = (0..n as i64)
+                    .map(|i| {
+                        if i % 7 == 6 {
+                            -100
+                        } else {
+                            (i * 7919) % vocab as i64
+                        }
+                    })
+                    .collect();
+                OpInputs::Ce(
+                    random::<A, 2>([n, hidden], 1.0, DType::F32, device),
+                    random::<A, 2>([hidden, vocab], 0.05, DType::F32, device),
+                    Tensor::from_data(TensorData::new(t, [n]), device),
+                )
+            }
+        }
+    }
+
+    /// Forward and backward of one op: the fused kernel, or Burn's own path (its attention op
+    /// under autodiff; matmul, bias add and GELU; materialised logits and log-softmax).
+    fn fwd_bwd(inputs: &OpInputs, fused: bool) {
+        match inputs {
+            OpInputs::Attention([q, k, v]) => {
+                let [q, k, v] = [q, k, v].map(|t| t.clone().require_grad());
+                let out = if fused {
+                    cubecl_kernels::flash_attention(q.clone(), k.clone(), v.clone(), None, true)
+                        .expect("attention shapes")
+                        .0
+                } else {
+                    let options = AttentionModuleOptions {
+                        scale: None,
+                        softcap: None,
+                        is_causal: true,
+                    };
+                    attention(q.clone(), k.clone(), v.clone(), None, None, options)
+                };
+                let grads = out.sum().backward();
+                let _ = (q.grad(&grads), k.grad(&grads), v.grad(&grads));
+            }
+            OpInputs::Mlp(x, w, b) => {
+                let (x, w, b) = (
+                    x.clone().require_grad(),
+                    w.clone().require_grad(),
+                    b.clone().require_grad(),
+                );
+                let y = if fused {
+                    cubecl_kernels::linear_gelu(x.clone(), w.clone(), b.clone()).expect("shapes")
+                } else {
+                    activation::gelu(x.clone().matmul(w.clone()) + b.clone().unsqueeze_dim(0))
+                };
+                let grads = y.sum().backward();
+                let _ = (x.grad(&grads), w.grad(&grads), b.grad(&grads));
+            }
+            OpInputs::Ce(h, w, t) => {
+                let (h, w) = (h.clone().require_grad(), w.clone().require_grad());
+                let loss = if fused {
+                    cubecl_kernels::linear_cross_entropy(h.clone(), w.clone(), t.clone(), -100)
+                        .expect("shapes")
+                } else {
+                    float::<A, 1>(reference::linear_cross_entropy::<A>(
+                        h.clone().into_primitive().tensor(),
+                        w.clone().into_primitive().tensor(),
+                        t.clone().into_primitive(),
+                        -100,
+                    ))
+                };
+                let grads = loss.backward();
+                let _ = (h.grad(&grads), w.grad(&grads));
+            }
+        }
+    }
+
+    /// The MLP's first linear + bias + GELU forward alone (what PyTorch's cuBLAS matmul plus a
+    /// separate epilogue is compared with), fused and Burn's, in milliseconds.
+    fn mlp_forward_ms(device: &Device, s: &Shapes, half: DType) -> (f64, f64) {
+        let [n, din, dout] = s.mlp;
+        let x = random::<B, 2>([n, din], 1.0, half, device);
+        let w = random::<B, 2>([din, dout], 0.05, half, device);
+        let bias = random::<B, 1>([dout], 0.05, half, device);
         let fused = time_ms(device, s.reps, || {
-            let (q, k, v) = (
-                q.clone().require_grad(),
-                k.clone().require_grad(),
-                v.clone().require_grad(),
-            );
-            let (out, _) =
-                cubecl_kernels::flash_attention(q.clone(), k.clone(), v.clone(), None, true)
-                    .expect("attention shapes");
-            let grads = out.sum().backward();
-            let _ = (q.grad(&grads), k.grad(&grads), v.grad(&grads));
+            let _ =
+                cubecl_kernels::linear_gelu(x.clone(), w.clone(), bias.clone()).expect("shapes");
         });
         let burn = time_ms(device, s.reps, || {
-            let (q, k, v) = (
-                q.clone().require_grad(),
-                k.clone().require_grad(),
-                v.clone().require_grad(),
-            );
-            let options = AttentionModuleOptions {
-                scale: None,
-                softcap: None,
-                is_causal: true,
-            };
-            let out = attention(q.clone(), k.clone(), v.clone(), None, None, options);
-            let grads = out.sum().backward();
-            let _ = (q.grad(&grads), k.grad(&grads), v.grad(&grads));
+            let _ = activation::gelu(x.clone().matmul(w.clone()) + bias.clone().unsqueeze_dim(0));
         });
         (fused, burn)
     }
 
-    /// The MLP's first linear + bias + GELU, forward only (what PyTorch's cuBLAS matmul plus a
-    /// separate epilogue is compared with) and forward + backward, fused against Burn's matmul,
-    /// bias add and GELU.
-    fn bench_mlp(device: &Device, s: &Shapes, dtype: DType) -> [f64; 4] {
-        let [n, din, dout] = s.mlp;
-        let x = random::<B, 2>([n, din], 1.0, dtype, device);
-        let w = random::<B, 2>([din, dout], 0.05, dtype, device);
-        let bias = random::<B, 1>([dout], 0.05, dtype, device);
-        let fused_fwd = time_ms(device, s.reps, || {
-            let _ =
-                cubecl_kernels::linear_gelu(x.clone(), w.clone(), bias.clone()).expect("shapes");
-        });
-        let burn_fwd = time_ms(device, s.reps, || {
-            let _ = activation::gelu(x.clone().matmul(w.clone()) + bias.clone().unsqueeze_dim(0));
-        });
-        let (xa, wa, ba) = (
-            Tensor::<A, 2>::from_inner(x),
-            Tensor::<A, 2>::from_inner(w),
-            Tensor::<A, 1>::from_inner(bias),
-        );
-        let fused_bwd = time_ms(device, s.reps, || {
-            let (x, w, b) = (
-                xa.clone().require_grad(),
-                wa.clone().require_grad(),
-                ba.clone().require_grad(),
-            );
-            let y = cubecl_kernels::linear_gelu(x.clone(), w.clone(), b.clone()).expect("shapes");
-            let grads = y.sum().backward();
-            let _ = (x.grad(&grads), w.grad(&grads), b.grad(&grads));
-        });
-        let burn_bwd = time_ms(device, s.reps, || {
-            let (x, w, b) = (
-                xa.clone().require_grad(),
-                wa.clone().require_grad(),
-                ba.clone().require_grad(),
-            );
-            let y = activation::gelu(x.clone().matmul(w.clone()) + b.clone().unsqueeze_dim(0));
-            let grads = y.sum().backward();
-            let _ = (x.grad(&grads), w.grad(&grads), b.grad(&grads));
-        });
-        [fused_fwd, burn_fwd, fused_bwd, burn_bwd]
-    }
-
-    /// Inputs of the head's cross-entropy: hidden states, head weight and targets (every 7th
-    /// padded with the ignore index, as in a batch with padding).
-    fn ce_inputs(device: &Device, s: &Shapes) -> (Tensor<A, 2>, Tensor<A, 2>, Tensor<A, 1, Int>) {
-        let [n, hidden, vocab] = s.ce;
-        let h = random::<A, 2>([n, hidden], 1.0, DType::F32, device);
-        let w = random::<A, 2>([hidden, vocab], 0.05, DType::F32, device);
-        let t: Vec<i64> = (0..n as i64)
-            .map(|i| {
-                if i % 7 == 6 {
-                    -100
-                } else {
-                    (i * 7919) % vocab as i64
-                }
-            })
-            .collect();
-        (h, w, Tensor::from_data(TensorData::new(t, [n]), device))
-    }
-
-    /// Forward + backward of one cross-entropy path; `fused` picks the kernel, otherwise Burn's
-    /// materialised logits followed by log-softmax.
-    fn ce_step(h: &Tensor<A, 2>, w: &Tensor<A, 2>, t: &Tensor<A, 1, Int>, fused: bool) {
-        let (h, w) = (h.clone().require_grad(), w.clone().require_grad());
-        let loss = if fused {
-            cubecl_kernels::linear_cross_entropy(h.clone(), w.clone(), t.clone(), -100)
-                .expect("shapes")
+    /// bf16 where the device computes in it (CUDA), else f32 (lavapipe has no bf16).
+    fn half_type(device: &Device) -> DType {
+        if B::supports_dtype(device, DType::BF16) {
+            DType::BF16
         } else {
-            float::<A, 1>(reference::linear_cross_entropy::<A>(
-                h.clone().into_primitive().tensor(),
-                w.clone().into_primitive().tensor(),
-                t.clone().into_primitive(),
-                -100,
-            ))
-        };
-        let grads = loss.backward();
-        let _ = (h.grad(&grads), w.grad(&grads));
+            DType::F32
+        }
     }
 
-    /// Child process: one cross-entropy path's pool growth over a forward + backward, in bytes.
-    fn ce_memory_child(device: &Device, s: &Shapes, fused: bool) {
-        let client = Tensor::<B, 1>::zeros([1], device)
+    /// Child process: one op's pool growth over forward + backward, in bytes, on stdout.
+    fn memory_child(op: Op, fused: bool, s: &Shapes) {
+        let device = dev::memory_device();
+        let client = Tensor::<B, 1>::zeros([1], &device)
             .into_primitive()
             .tensor()
             .client;
@@ -262,27 +293,30 @@ mod bench {
                 .map(|u| u.bytes_reserved)
                 .expect("the device's memory usage")
         };
-        let (h, w, t) = ce_inputs(device, s);
-        sync(device);
+        let inputs = op_inputs(op, &device, s, half_type(&device));
+        sync(&device);
         let before = reserved();
-        ce_step(&h, &w, &t, fused);
-        sync(device);
+        fwd_bwd(&inputs, fused);
+        sync(&device);
         println!("{}", reserved().saturating_sub(before));
     }
 
-    /// One cross-entropy path's measured pool growth, from a child process given the same
-    /// shape flags (`shape_args`) as this one.
-    fn ce_memory(shape_args: &[String], fused: bool) -> u64 {
+    /// One op's measured pool growth, from a child process given the same shape flags
+    /// (`shape_args`) as this one.
+    fn measure_memory(op: Op, fused: bool, shape_args: &[String]) -> u64 {
         let exe = std::env::current_exe().expect("path of this binary");
-        let mut cmd = Command::new(exe);
-        cmd.args(["--ce-memory", if fused { "fused" } else { "materialised" }]);
-        cmd.args(shape_args);
-        let out = cmd.output().expect("start the memory child process");
+        let path = if fused { "fused" } else { "burn" };
+        let out = Command::new(exe)
+            .args(["--mem-child", op.name(), path])
+            .args(shape_args)
+            .output()
+            .expect("start the memory child process");
         let text = String::from_utf8_lossy(&out.stdout);
         match text.trim().lines().last().map(str::parse::<u64>) {
             Some(Ok(bytes)) if out.status.success() => bytes,
             _ => panic!(
-                "the cross-entropy memory child failed ({}): {}{}",
+                "the {} memory child ({path}) failed ({}): {}{}",
+                op.name(),
                 out.status,
                 text,
                 String::from_utf8_lossy(&out.stderr)
@@ -290,9 +324,46 @@ mod bench {
         }
     }
 
+    /// `(fused, burn)` measured bytes of every op.
+    fn measure_all(shape_args: &[String]) -> Vec<(Op, u64, u64)> {
+        OPS.into_iter()
+            .map(|op| {
+                let (fused, burn) = (
+                    measure_memory(op, true, shape_args),
+                    measure_memory(op, false, shape_args),
+                );
+                eprintln!(
+                    "{} fwd+bwd peak pool growth: fused {:.1} MiB, Burn {:.1} MiB",
+                    op.name(),
+                    mib(fused),
+                    mib(burn)
+                );
+                (op, fused, burn)
+            })
+            .collect()
+    }
+
+    fn mib(bytes: u64) -> f64 {
+        bytes as f64 / 1048576.0
+    }
+
+    /// `--NAME a,b,c` as exactly `N` positive numbers, or exit naming the expected form.
+    fn parse_dims<const N: usize>(flag: &str, text: &str, form: &str) -> [usize; N] {
+        let dims: Vec<usize> = text
+            .split(',')
+            .filter_map(|d| d.trim().parse().ok())
+            .collect();
+        match <[usize; N]>::try_from(dims) {
+            Ok(d) if d.iter().all(|&x| x > 0) => d,
+            _ => {
+                eprintln!("{flag} {text}: expected {form}");
+                std::process::exit(2);
+            }
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().skip(1).collect();
-        let small = args.iter().any(|a| a == "--small");
         let value_of = |flag: &str| {
             args.iter()
                 .position(|a| a == flag)
@@ -300,116 +371,121 @@ mod bench {
         };
         if args.iter().any(|a| a == "--help" || a == "-h") {
             println!(
-                "kernel_bench [--small] [--json PATH] [--ce-memory-only] [--ce-shape TOKENS,HIDDEN,VOCAB]: fused kernels against Burn's path on {}",
+                "kernel_bench [--small] [--attn-shape B,H,S,D] [--mlp-shape N,DIN,DOUT] \
+                 [--ce-shape N,HIDDEN,VOCAB] [--reps N] [--memory-only] [--json PATH]: the fused kernels \
+                 against Burn's path on {}",
                 dev::NAME
             );
             return;
         }
+        let small = args.iter().any(|a| a == "--small");
         let mut shapes = if small { SMALL } else { FULL };
         let mut shape_args: Vec<String> = Vec::new();
         if small {
             shape_args.push("--small".into());
         }
+        if let Some(text) = value_of("--attn-shape") {
+            shapes.attn = parse_dims("--attn-shape", &text, "BATCH,HEADS,SEQ,HEAD_DIM");
+            shape_args.extend(["--attn-shape".into(), text]);
+        }
+        if let Some(text) = value_of("--mlp-shape") {
+            shapes.mlp = parse_dims("--mlp-shape", &text, "TOKENS,D_IN,D_OUT");
+            shape_args.extend(["--mlp-shape".into(), text]);
+        }
         if let Some(text) = value_of("--ce-shape") {
-            let dims: Vec<usize> = text
-                .split(',')
-                .filter_map(|d| d.trim().parse().ok())
-                .collect();
-            match dims[..] {
-                [n, h, v] if n * h * v > 0 => shapes.ce = [n, h, v],
+            shapes.ce = parse_dims("--ce-shape", &text, "TOKENS,HIDDEN,VOCAB");
+            shape_args.extend(["--ce-shape".into(), text]);
+        }
+        if let Some(text) = value_of("--reps") {
+            shapes.reps = parse_dims::<1>("--reps", &text, "a positive number of timed runs")[0];
+        }
+        let shapes = &shapes;
+        if let Some(i) = args.iter().position(|a| a == "--mem-child") {
+            let op = args.get(i + 1).and_then(|o| Op::parse(o));
+            let fused = args.get(i + 2).map(|p| p == "fused");
+            match (op, fused) {
+                (Some(op), Some(fused)) => memory_child(op, fused, shapes),
                 _ => {
-                    eprintln!(
-                        "--ce-shape {text}: expected TOKENS,HIDDEN,VOCAB, e.g. 2048,256,12288"
-                    );
+                    eprintln!("--mem-child OP PATH: OP is attention|mlp|ce, PATH fused|burn");
                     std::process::exit(2);
                 }
             }
-            shape_args.extend(["--ce-shape".into(), text]);
-        }
-        let shapes = &shapes;
-        if let Some(which) = value_of("--ce-memory") {
-            ce_memory_child(&dev::memory_device(), shapes, which == "fused");
             return;
         }
         let device = dev::device();
-        if args.iter().any(|a| a == "--ce-memory-only") {
-            // Only the measured memory figure (each path in its own process): what a CPU
-            // adapter can afford at the production shape, where the timings would take hours.
-            let (mem_fused, mem_burn) =
-                (ce_memory(&shape_args, true), ce_memory(&shape_args, false));
+        let half = half_type(&device);
+        eprintln!(
+            "kernel_bench on {}: attention and MLP in {half:?}, cross-entropy in F32",
+            dev::NAME
+        );
+        if args.iter().any(|a| a == "--memory-only") {
+            // Only the measured memory (each path in its own process): what a CPU adapter can
+            // afford at shapes where the timings would take hours.
             let [n, h, v] = shapes.ce.map(|d| d as u64);
-            let (model_burn, model_fused) = memory::linear_cross_entropy_extra_bytes(n, h, v, 4);
-            let mib = |b: u64| b as f64 / 1048576.0;
+            let (ce_model_burn, ce_model_fused) =
+                memory::linear_cross_entropy_extra_bytes(n, h, v, 4);
+            println!("| op | shape | fused MiB | Burn MiB | Burn / fused |");
+            println!("|---|---|---|---|---|");
+            for (op, fused, burn) in measure_all(&shape_args) {
+                let shape = match op {
+                    Op::Attention => format!("{:?} causal, {half:?}", shapes.attn),
+                    Op::Mlp => format!("{:?}, {half:?}", shapes.mlp),
+                    Op::Ce => format!("{:?}, F32", shapes.ce),
+                };
+                println!(
+                    "| {} | {shape} | {:.1} | {:.1} | {:.1}x |",
+                    op.name(),
+                    mib(fused),
+                    mib(burn),
+                    burn as f64 / fused.max(1) as f64
+                );
+            }
             println!(
-                "linear CE {:?} f32 on {}, measured pool growth over forward + backward: fused {:.1} MiB, materialised {:.1} MiB, {:.1}x less; analytic model: fused {:.1} MiB, materialised {:.1} MiB (a lower bound), {:.1}x",
-                shapes.ce,
-                dev::NAME,
-                mib(mem_fused),
-                mib(mem_burn),
-                mem_burn as f64 / mem_fused.max(1) as f64,
-                mib(model_fused),
-                mib(model_burn),
-                model_burn as f64 / model_fused as f64
+                "cross-entropy analytic model: fused {:.1} MiB, materialised {:.1} MiB (a lower bound)",
+                mib(ce_model_fused),
+                mib(ce_model_burn)
             );
             return;
         }
-        // bf16 where the device computes in it (CUDA), else f32 (lavapipe has no bf16).
-        let half = if B::supports_dtype(&device, DType::BF16) {
-            DType::BF16
-        } else {
-            DType::F32
+
+        let time_op = |op: Op, reps: usize| {
+            let inputs = op_inputs(op, &device, shapes, half);
+            let fused = time_ms(&device, reps, || fwd_bwd(&inputs, true));
+            let burn = time_ms(&device, reps, || fwd_bwd(&inputs, false));
+            eprintln!(
+                "{} fwd+bwd: fused {fused:.3} ms, Burn {burn:.3} ms",
+                op.name()
+            );
+            serde_json::json!({ "fused": fused, "burn": burn })
         };
-        eprintln!(
-            "kernel_bench on {}: attention and MLP in {half:?}",
-            dev::NAME
-        );
-
-        let (attn_fused, attn_burn) = bench_attention(&device, shapes, half);
-        eprintln!("attention fwd+bwd: fused {attn_fused:.3} ms, Burn {attn_burn:.3} ms");
-        let [mlp_fused_fwd, mlp_burn_fwd, mlp_fused_bwd, mlp_burn_bwd] =
-            bench_mlp(&device, shapes, half);
-        eprintln!(
-        "linear+bias+GELU fwd: fused {mlp_fused_fwd:.3} ms, Burn {mlp_burn_fwd:.3} ms; fwd+bwd: fused {mlp_fused_bwd:.3} ms, Burn {mlp_burn_bwd:.3} ms"
-    );
-        let (h, w, t) = ce_inputs(&device, shapes);
-        let ce_fused = time_ms(&device, shapes.reps.min(3), || ce_step(&h, &w, &t, true));
-        let ce_burn = time_ms(&device, shapes.reps.min(3), || ce_step(&h, &w, &t, false));
-        drop((h, w, t));
-        eprintln!("linear CE fwd+bwd: fused {ce_fused:.3} ms, Burn {ce_burn:.3} ms");
-        let mem_fused = ce_memory(&shape_args, true);
-        let mem_burn = ce_memory(&shape_args, false);
-        eprintln!(
-            "linear CE peak pool growth: fused {:.1} MiB, materialised {:.1} MiB, ratio {:.1}x",
-            mem_fused as f64 / 1048576.0,
-            mem_burn as f64 / 1048576.0,
-            mem_burn as f64 / mem_fused.max(1) as f64
-        );
-
-        let json = format!(
-        concat!(
-            "{{\"backend\":\"{}\",\"dtype\":\"{:?}\",\"attn_shape\":{:?},\"mlp_shape\":{:?},",
-            "\"ce_shape\":{:?},\"attn_fwd_bwd_ms\":{{\"fused\":{},\"burn\":{}}},",
-            "\"mlp_fwd_ms\":{{\"fused\":{},\"burn\":{}}},\"mlp_fwd_bwd_ms\":{{\"fused\":{},\"burn\":{}}},",
-            "\"ce_fwd_bwd_ms\":{{\"fused\":{},\"burn\":{}}},\"ce_peak_bytes\":{{\"fused\":{},\"burn\":{}}}}}"
-        ),
-        dev::NAME,
-        half,
-        shapes.attn,
-        shapes.mlp,
-        shapes.ce,
-        attn_fused,
-        attn_burn,
-        mlp_fused_fwd,
-        mlp_burn_fwd,
-        mlp_fused_bwd,
-        mlp_burn_bwd,
-        ce_fused,
-        ce_burn,
-        mem_fused,
-        mem_burn
-    );
+        let attn = time_op(Op::Attention, shapes.reps);
+        let (mlp_fused_fwd, mlp_burn_fwd) = mlp_forward_ms(&device, shapes, half);
+        eprintln!("mlp fwd: fused {mlp_fused_fwd:.3} ms, Burn {mlp_burn_fwd:.3} ms");
+        let mlp = time_op(Op::Mlp, shapes.reps);
+        let ce = time_op(Op::Ce, shapes.reps.min(3));
+        let peak: serde_json::Map<String, serde_json::Value> = measure_all(&shape_args)
+            .into_iter()
+            .map(|(op, fused, burn)| {
+                (
+                    op.name().to_string(),
+                    serde_json::json!({ "fused": fused, "burn": burn }),
+                )
+            })
+            .collect();
+        let json = serde_json::json!({
+            "backend": dev::NAME,
+            "dtype": format!("{half:?}"),
+            "attn_shape": shapes.attn,
+            "mlp_shape": shapes.mlp,
+            "ce_shape": shapes.ce,
+            "attn_fwd_bwd_ms": attn,
+            "mlp_fwd_ms": { "fused": mlp_fused_fwd, "burn": mlp_burn_fwd },
+            "mlp_fwd_bwd_ms": mlp,
+            "ce_fwd_bwd_ms": ce,
+            "peak_bytes": peak,
+        });
         match value_of("--json") {
-            Some(path) => std::fs::write(&path, &json).expect("write the JSON results"),
+            Some(path) => std::fs::write(&path, json.to_string()).expect("write the JSON results"),
             None => println!("{json}"),
         }
     }
