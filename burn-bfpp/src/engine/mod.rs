@@ -245,9 +245,9 @@ where
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport) + Sync,
 {
-    let grid = RankGrid::new(cfg.pp, cfg.dp)?;
+    // A bad layout is reported by `train_local_on`, which checks the schedule first.
     let device = model.devices().into_iter().next().unwrap_or_default();
-    let devices = vec![device; grid.world_size()];
+    let devices = vec![device; cfg.pp.saturating_mul(cfg.dp)];
     train_local_on(
         model,
         cfg,

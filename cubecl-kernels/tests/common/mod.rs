@@ -48,12 +48,15 @@ impl Rng {
 }
 
 /// Fails unless `got` matches `want` to `tol` relative to the reference's largest magnitude
-/// (`max |got − want| / max(max |want|, 1e-3)`), and fails on any NaN (unwritten poisoned
-/// outputs). The 1e-3 floor keeps an exactly-zero reference (e.g. dQ with a single key) from
-/// turning f32 rounding noise into an infinite relative error.
+/// (`max |got − want| / max(max |want|, 1e-2)`), and fails on any NaN (unwritten poisoned
+/// outputs). The floor keeps an exactly-zero reference (dQ with a single key, where
+/// `dP − D` cancels exactly) from turning f32 rounding noise into a huge relative error: the
+/// kernels' f32 dot products of the tests' O(1) inputs carry up to ~3e-7 absolute noise
+/// (1.6e-7 was seen at head dim 16), which a 1e-3 floor let through as 1.6e-4 > 1e-4; with
+/// 1e-2 it is an absolute 1e-6 bound, still far below any real error.
 pub fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0.0f64, |a, w| a.max(w.abs())).max(1e-3);
+    let scale = want.iter().fold(0.0f64, |a, w| a.max(w.abs())).max(1e-2);
     let mut worst = (0.0f64, 0usize);
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(g.is_finite(), "{what}: element {i} is {g} (want {w})");
