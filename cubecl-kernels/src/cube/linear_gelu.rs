@@ -7,13 +7,13 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
-use super::mlp::{linear_gelu_dz_kernel, linear_gelu_fwd_kernel};
+use super::mlp::{bias_gelu_dz_kernel, bias_gelu_fwd_kernel};
 use super::output;
 
-/// Output tile edge (rows and columns) and K-tile depth; also the cube's width.
+/// Edge of the `[n, m]` block one cube handles; also the cube's width.
 const TILE: usize = 32;
-/// Threads down a tile's rows: 32 × 4 = 128 threads per cube, the most Vulkan guarantees,
-/// each accumulating 8 outputs.
+/// Threads down a block's rows: 32 × 4 = 128 threads per cube, the most Vulkan guarantees,
+/// each handling 8 elements.
 const ROW_THREADS: usize = 4;
 
 fn launch_grid(n: usize, m: usize) -> (CubeCount, CubeDim) {
@@ -23,28 +23,29 @@ fn launch_grid(n: usize, m: usize) -> (CubeCount, CubeDim) {
     )
 }
 
-/// `gelu(x·W + b)` on a CubeCL backend, in the inputs' float type.
-pub(crate) fn forward<R: CubeRuntime>(
-    x: CubeTensor<R>,
-    w: CubeTensor<R>,
-    b: CubeTensor<R>,
-) -> CubeTensor<R> {
-    let [n, k] = x.shape().dims::<2>();
+/// `gelu(x·W + b)` on a CubeCL backend, in the inputs' float type: `x·W` through Burn's
+/// matmul (CubeCL's tiled, vectorised kernels; tensor cores on CUDA), then bias and GELU in
+/// one pass. `z = x·W` lives only until that pass: nothing of `[tokens × d_out]` is kept
+/// for the backward, which recomputes it.
+pub(crate) fn forward<B, R>(x: CubeTensor<R>, w: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
+{
+    let [n, _] = x.shape().dims::<2>();
     let m = w.shape().dims::<2>()[1];
-    let (x, w, b) = (into_contiguous(x), into_contiguous(w), into_contiguous(b));
     let dtype = x.dtype;
-    let out = output(&x, Shape::new([n, m]), dtype);
+    // A fresh matmul output, owned here alone: the epilogue overwrites it with the result.
+    let out = into_contiguous(B::float_matmul(x, w));
+    let b = into_contiguous(b);
     let (count, dim) = launch_grid(n, m);
-    linear_gelu_fwd_kernel::launch::<R>(
-        &x.client.clone(),
+    bias_gelu_fwd_kernel::launch::<R>(
+        &out.client.clone(),
         count,
         dim,
-        x.into_tensor_arg(),
-        w.into_tensor_arg(),
-        b.into_tensor_arg(),
         out.clone().into_tensor_arg(),
+        b.into_tensor_arg(),
         n as u32,
-        k as u32,
         m as u32,
         TILE,
         ROW_THREADS,
@@ -55,12 +56,12 @@ pub(crate) fn forward<R: CubeRuntime>(
 
 /// `(dx, dW, db)` of `gelu(x·W + b)` for the output gradient `dy`.
 ///
-/// The pre-activation `z` is recomputed inside the `dz` kernel rather than saved by the
+/// The pre-activation `z = x·W` is recomputed (Burn's matmul) rather than saved by the
 /// forward: saving it would keep an extra `[tokens × d_out]` tensor per MLP alive from the
 /// forward to the backward (with `d_out = 4·hidden`, as large as the block's largest
 /// activation, and a pipeline keeps many micro-batches in flight), while recomputing costs
-/// one extra `x·W` in the backward, which already does two matmuls of that size. `dz` is
-/// then the only `[tokens × d_out]` temporary, freed as soon as `dx` and `dW` are formed.
+/// one extra `x·W` in the backward, which already does two matmuls of that size. `z` lives
+/// on as `dz` (overwritten in place) until `dx` and `dW` are formed.
 pub(crate) fn backward<B, R>(
     x: CubeTensor<R>,
     w: CubeTensor<R>,
@@ -71,10 +72,10 @@ where
     R: CubeRuntime,
     B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
 {
-    let [n, k] = x.shape().dims::<2>();
+    let [n, _] = x.shape().dims::<2>();
     let m = w.shape().dims::<2>()[1];
     let dtype = x.dtype;
-    let (x, w, b) = (into_contiguous(x), into_contiguous(w), into_contiguous(b));
+    let b = into_contiguous(b);
     // The gradient normally arrives in the output's (= the inputs') float type; a caller that
     // upcast it gets it converted rather than misread by the kernel.
     let dy = if dy.dtype == dtype {
@@ -82,21 +83,19 @@ where
     } else {
         into_contiguous(B::float_cast(dy, FloatDType::from(dtype)))
     };
-    let dz = output(&x, Shape::new([n, m]), dtype);
-    let db_partial = output(&x, Shape::new([n.div_ceil(TILE), m]), DType::F32);
+    // The recomputed `z`, overwritten with `dz` by the epilogue.
+    let dz = into_contiguous(B::float_matmul(x.clone(), w.clone()));
+    let db_partial = output(&dz, Shape::new([n.div_ceil(TILE), m]), DType::F32);
     let (count, dim) = launch_grid(n, m);
-    linear_gelu_dz_kernel::launch::<R>(
-        &x.client.clone(),
+    bias_gelu_dz_kernel::launch::<R>(
+        &dz.client.clone(),
         count,
         dim,
-        x.clone().into_tensor_arg(),
-        w.clone().into_tensor_arg(),
+        dz.clone().into_tensor_arg(),
         b.into_tensor_arg(),
         dy.into_tensor_arg(),
-        dz.clone().into_tensor_arg(),
         db_partial.clone().into_tensor_arg(),
         n as u32,
-        k as u32,
         m as u32,
         TILE,
         ROW_THREADS,

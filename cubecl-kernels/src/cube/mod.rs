@@ -91,7 +91,7 @@ where
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        linear_gelu::forward::<R>(x, w, b)
+        linear_gelu::forward::<Self, R>(x, w, b)
     }
 
     fn fused_linear_gelu_backward(
