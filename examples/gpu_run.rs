@@ -124,23 +124,17 @@ fn main() -> Result<(), Error> {
     }
     match args.backend {
         BackendChoice::Flex => {
-            run::<burn::backend::Autodiff<burn::backend::Flex>>(&args, Default::default(), |_| {
-                Default::default()
-            })
+            run::<burn::backend::Autodiff<burn::backend::Flex>>(&args, |_| Default::default())
         }
         #[cfg(feature = "wgpu")]
-        BackendChoice::Wgpu => run::<burn::backend::Autodiff<burn::backend::Wgpu>>(
-            &args,
-            burn::backend::wgpu::WgpuDevice::default(),
-            |_| burn::backend::wgpu::WgpuDevice::default(),
-        ),
+        BackendChoice::Wgpu => run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&args, |_| {
+            burn::backend::wgpu::WgpuDevice::default()
+        }),
         #[cfg(feature = "cuda")]
         BackendChoice::Cuda => run::<burn::backend::Autodiff<burn::backend::Cuda>>(
             &args,
-            burn::backend::cuda::CudaDevice::new(0),
             burn::backend::cuda::CudaDevice::new,
         ),
-
         #[allow(unreachable_patterns)]
         other => Err(format!(
             "backend {other:?} is not built into this binary: rebuild with `--features {}`",
@@ -162,13 +156,16 @@ fn shape(args: &Args) -> GptShape {
     }
 }
 
-/// Trains on `device` (the model, the data and GPU 0) with world rank `r` on
-/// `device_of(r % args.gpus)`.
+/// Trains with world rank `r` on `device_of(r % args.gpus)`; the model and the data start on
+/// `device_of(0)`.
 fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
     args: &Args,
-    device: B::Device,
     device_of: impl Fn(usize) -> B::Device,
 ) -> Result<(), Error> {
+    let device = device_of(0);
+    let world = args.pp * args.dp;
+    // Devices the ranks actually run on (a world smaller than --gpus leaves some idle).
+    let gpus_used = args.gpus.min(world);
     if args.warmup >= args.steps {
         return Err(format!(
             "--warmup {} leaves no timed step of --steps {}: raise --steps",
@@ -256,12 +253,11 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
         args.micro_batch_size,
         args.zero,
         args.precision,
-        args.pp * args.dp,
-        args.gpus.min(args.pp * args.dp)
+        world,
+        gpus_used
     );
     let ends = Mutex::new(Vec::new());
     let activation = [args.micro_batch_size, gpt.seq_len, gpt.hidden];
-    let world = args.pp * args.dp;
     let devices: Vec<B::Device> = (0..world).map(|r| device_of(r % args.gpus)).collect();
     let outcome = train_local_on(
         &model,
@@ -293,7 +289,7 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
     let tokens = (samples * args.seq_len) as f64;
     let flops = shape(args).step_model_flops(samples);
     // Per GPU: the step's model FLOPs shared by the devices the ranks ran on.
-    let tflops = flops / step_s / 1e12 / args.gpus.min(args.pp * args.dp) as f64;
+    let tflops = flops / step_s / 1e12 / gpus_used as f64;
 
     let profile = StepProfile::measure(&outcome.timelines, args.pp, args.steps);
 
@@ -344,10 +340,7 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
     println!(
         "measured: {} ranks on {} device(s) (ranks sharing a device take turns); simulated: \
          one {} per rank. MFU against {:.0} TFLOP/s.",
-        args.pp * args.dp,
-        args.gpus.min(args.pp * args.dp),
-        args.hardware,
-        args.peak_tflops
+        world, gpus_used, args.hardware, args.peak_tflops
     );
     println!(
         "wrote {}, {}, {}",

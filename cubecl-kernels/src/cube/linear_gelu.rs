@@ -24,7 +24,7 @@ fn launch_grid(n: usize, m: usize) -> (CubeCount, CubeDim) {
 }
 
 /// `gelu(x·W + b)` on a CubeCL backend, in the inputs' float type: `x·W` through Burn's
-/// matmul (CubeCL's tiled, vectorised kernels; tensor cores on CUDA), then bias and GELU in
+/// matmul (CubeCL's tiled, vectorised kernels, which may use tensor cores on CUDA), then bias and GELU in
 /// one pass. `z = x·W` lives only until that pass: nothing of `[tokens × d_out]` is kept
 /// for the backward, which recomputes it.
 pub(crate) fn forward<B, R>(x: CubeTensor<R>, w: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R>

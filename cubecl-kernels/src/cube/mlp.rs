@@ -1,5 +1,6 @@
 //! The MLP's fused bias + GELU epilogues, applied to `z = x·W` computed by Burn's own matmul
-//! (CubeCL's, tiled and vectorised, with tensor cores on CUDA where the type allows):
+//! (CubeCL's, tiled and vectorised; on CUDA it can select tensor-core (`cmma`) kernels, which
+//! no GPU has verified for this project yet):
 //!
 //! * `bias_gelu_fwd_kernel`: `y = gelu(z + b)` in one pass, in place over `z`.
 //! * `bias_gelu_dz_kernel`: `dz = dy ∘ gelu'(z + b)` in place over `z`, plus per-tile column
