@@ -60,13 +60,30 @@ fn flash_attention_matches_f64_oracle() {
 fn linear_cross_entropy_matches_f64_oracle() {
     let dev = device();
     let mut rng = Rng::fresh("wgpu linear_cross_entropy");
-    // [tokens, hidden, vocab]: none a multiple of the 32-wide tiles except where noted.
-    for (shape, all_ignored) in [
-        ([33, 40, 70], false),
-        ([45, 17, 257], false),
-        ([9, 16, 10], true),
+    // The op runs in [row block × vocabulary chunk] pieces: small pieces, so that several row
+    // blocks and chunks (the last ones partial) are folded together, then the defaults (one
+    // piece, except the 2500-column vocabulary: three chunks, the last partial). Other tests
+    // may run CE at the same time under either setting; every piece size gives the same
+    // result, which is what this checks.
+    for (piece, shapes) in [
+        (
+            (16, 32),
+            vec![([33, 40, 70], false), ([45, 17, 257], false), ([9, 16, 10], true)],
+        ),
+        (
+            (
+                cubecl_kernels::cube::DEFAULT_ROW_BLOCK,
+                cubecl_kernels::cube::DEFAULT_VOCAB_CHUNK,
+            ),
+            vec![([33, 40, 70], false), ([20, 24, 2500], false), ([9, 16, 10], true)],
+        ),
     ] {
-        check_linear_ce::<Wgpu>(&dev, &mut rng, shape, all_ignored, TOL);
+        cubecl_kernels::cube::set_linear_ce_piece(piece.0, piece.1);
+        // [tokens, hidden, vocab]: none a multiple of the piece or kernel tile sizes.
+        for (shape, all_ignored) in shapes {
+            eprintln!("piece {piece:?}, shape {shape:?}");
+            check_linear_ce::<Wgpu>(&dev, &mut rng, shape, all_ignored, TOL);
+        }
     }
 }
 

@@ -1,17 +1,84 @@
-//! Launchers for the fused linear cross-entropy kernels on CubeCL backends.
+//! Launchers for the chunked linear cross-entropy on CubeCL backends.
+//!
+//! The logits exist one `[row block × vocabulary chunk]` piece at a time: each piece is one
+//! Burn matmul (CubeCL's tiled kernels, which can pick tensor-core variants on CUDA) followed
+//! by a kernel that folds it into per-token statistics (forward) or turns it into its
+//! gradient in place (backward), after which two more matmuls carry that gradient into `dh`
+//! and `dW`. Memory beyond the inputs and gradients is one piece plus a few `[tokens]`
+//! vectors, whatever the vocabulary size; the matmuls do the arithmetic at the speed of
+//! Burn's own, instead of the portable scalar tiles an all-in-one kernel would need.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, IntDType, Shape, TensorMetadata};
+use burn::tensor::{DType, FloatDType, IntDType, Shape, Slice, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::full_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
-use super::cross_entropy::{ce_dh_kernel, ce_dw_kernel, ce_fwd_kernel};
+use super::cross_entropy::{ce_chunk_grad_kernel, ce_chunk_stats_kernel, ce_finish_kernel};
+use super::flash_fwd::HIDDEN;
 use super::output;
 
-/// Tokens (and vocabulary columns) per tile; also the cube size.
-const TILE: usize = 32;
+/// Vocabulary columns per chunk by default. At 8192 tokens a chunk is 32 MiB in f32 (16 MiB
+/// in bf16) against 1.6 GiB for the full GPT-2 logits, and a `[8192 × 1024] · [1024 × 1024]`
+/// matmul is large enough to run near a GPU's matmul peak.
+pub const DEFAULT_VOCAB_CHUNK: usize = 1024;
+/// Tokens per row block by default: bounds a chunk to 64 MiB (f32) however many tokens a
+/// micro-batch has, and keeps the per-row launch within every runtime's grid limits.
+pub const DEFAULT_ROW_BLOCK: usize = 16384;
+
+static VOCAB_CHUNK: AtomicUsize = AtomicUsize::new(DEFAULT_VOCAB_CHUNK);
+static ROW_BLOCK: AtomicUsize = AtomicUsize::new(DEFAULT_ROW_BLOCK);
+
+/// Sets the piece size of the chunked linear cross-entropy: `rows` tokens × `cols`
+/// vocabulary columns (each at least 1). Smaller pieces use less memory and launch more,
+/// smaller matmuls. Meant for tests and tuning; the defaults suit training shapes.
+pub fn set_linear_ce_piece(rows: usize, cols: usize) {
+    ROW_BLOCK.store(rows.max(1), Ordering::SeqCst);
+    VOCAB_CHUNK.store(cols.max(1), Ordering::SeqCst);
+}
+
+/// The current `(rows, cols)` piece size of the chunked linear cross-entropy.
+pub fn linear_ce_piece() -> (usize, usize) {
+    (
+        ROW_BLOCK.load(Ordering::SeqCst),
+        VOCAB_CHUNK.load(Ordering::SeqCst),
+    )
+}
+
+/// Threads per row in the statistics kernel.
+const STATS_THREADS: usize = 64;
+/// Threads per cube of the per-token kernel.
+const FINISH_THREADS: usize = 64;
+/// Edge of the block one cube of the gradient kernel handles, and the cube's width.
+const GRAD_TILE: usize = 32;
+/// Threads down a gradient block's rows (32 × 4 = 128 per cube, Vulkan's guaranteed minimum).
+const GRAD_ROW_THREADS: usize = 4;
+
+/// `0..len` cut into consecutive ranges of at most `step`.
+fn blocks(len: usize, step: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..len)
+        .step_by(step.max(1))
+        .map(move |s| s..(s + step).min(len))
+}
+
+/// `t[rows, cols]` as a view (a no-op when the ranges cover `t`).
+fn piece<B, R>(t: &CubeTensor<R>, rows: Range<usize>, cols: Range<usize>) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
+{
+    let [r, c] = t.shape().dims::<2>();
+    if rows == (0..r) && cols == (0..c) {
+        t.clone()
+    } else {
+        B::float_slice(t.clone(), &[Slice::from(rows), Slice::from(cols)])
+    }
+}
 
 /// Per-token statistics of the forward: loss terms, log-sum-exp, validity (all f32 `[n]`).
 struct Rows<R: CubeRuntime> {
@@ -28,37 +95,78 @@ where
     into_contiguous(B::int_cast(targets, IntDType::I32))
 }
 
-fn rows<R: CubeRuntime>(
+fn filled<R: CubeRuntime>(like: &CubeTensor<R>, n: usize, value: f32) -> CubeTensor<R> {
+    full_device_dtype(
+        like.client.clone(),
+        Shape::new([n]),
+        like.device.clone(),
+        InputScalar::new(value, DType::F32),
+        DType::F32,
+    )
+}
+
+/// The forward pass over all pieces: per-token log-sum-exp, loss term and validity.
+fn rows<B, R>(
     h: &CubeTensor<R>,
     w: &CubeTensor<R>,
     targets: &CubeTensor<R>,
     ignore: i32,
-) -> Rows<R> {
+) -> Rows<R>
+where
+    R: CubeRuntime,
+    B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
+{
     let [n, hidden] = h.shape().dims::<2>();
     let vocab = w.shape().dims::<2>()[1];
-    let rows = Rows {
+    let (row_block, vocab_chunk) = linear_ce_piece();
+    let run_max = filled(h, n, HIDDEN);
+    let run_sum = filled(h, n, 0.0);
+    // Stays 0 for a target outside the vocabulary, as in the materialised path's `gather`
+    // would not: such targets are a caller error the API cannot check without a read-back.
+    let target_logit = filled(h, n, 0.0);
+    let client = h.client.clone();
+    for r in blocks(n, row_block) {
+        let h_rows = piece::<B, R>(h, r.clone(), 0..hidden);
+        for c in blocks(vocab, vocab_chunk) {
+            let w_cols = piece::<B, R>(w, 0..hidden, c.clone());
+            let logits = into_contiguous(B::float_matmul(h_rows.clone(), w_cols));
+            ce_chunk_stats_kernel::launch::<R>(
+                &client,
+                CubeCount::Static(r.len() as u32, 1, 1),
+                CubeDim::new_1d(STATS_THREADS as u32),
+                logits.clone().into_tensor_arg(),
+                targets.clone().into_tensor_arg(),
+                run_max.clone().into_tensor_arg(),
+                run_sum.clone().into_tensor_arg(),
+                target_logit.clone().into_tensor_arg(),
+                r.start as u32,
+                c.start as u32,
+                c.len() as u32,
+                STATS_THREADS,
+                logits.dtype.into(),
+            );
+        }
+    }
+    let out = Rows {
         loss: output(h, Shape::new([n]), DType::F32),
         lse: output(h, Shape::new([n]), DType::F32),
         valid: output(h, Shape::new([n]), DType::F32),
     };
-    ce_fwd_kernel::launch::<R>(
-        &h.client,
-        CubeCount::Static(n.div_ceil(TILE) as u32, 1, 1),
-        CubeDim::new_1d(TILE as u32),
-        h.clone().into_tensor_arg(),
-        w.clone().into_tensor_arg(),
+    ce_finish_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(n.div_ceil(FINISH_THREADS) as u32, 1, 1),
+        CubeDim::new_1d(FINISH_THREADS as u32),
+        run_max.into_tensor_arg(),
+        run_sum.into_tensor_arg(),
+        target_logit.into_tensor_arg(),
         targets.clone().into_tensor_arg(),
-        rows.loss.clone().into_tensor_arg(),
-        rows.lse.clone().into_tensor_arg(),
-        rows.valid.clone().into_tensor_arg(),
+        out.loss.clone().into_tensor_arg(),
+        out.lse.clone().into_tensor_arg(),
+        out.valid.clone().into_tensor_arg(),
         n as u32,
-        hidden as u32,
-        vocab as u32,
         ignore,
-        TILE,
-        h.dtype.into(),
     );
-    rows
+    out
 }
 
 /// Number of counted tokens, at least 1, as a one-element f32 tensor (stays on the device).
@@ -90,9 +198,46 @@ where
     let dtype = h.dtype;
     let (h, w) = (into_contiguous(h), into_contiguous(w));
     let targets = i32_targets::<B, R>(targets);
-    let r = rows(&h, &w, &targets, ignore_i32(ignore_index));
+    let r = rows::<B, R>(&h, &w, &targets, ignore_i32(ignore_index));
     let loss = B::float_div(B::float_sum(r.loss), count::<B, R>(r.valid));
     B::float_cast(loss, FloatDType::from(dtype))
+}
+
+/// Adds `part` (`[rows.len(), hidden]`) into rows `rows` of `acc` (`[n, hidden]`), creating
+/// `acc` on first use. With a single row block this is a plain (in-place) add.
+fn add_rows<B, R>(
+    acc: Option<CubeTensor<R>>,
+    n: usize,
+    rows: Range<usize>,
+    part: CubeTensor<R>,
+) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
+{
+    let hidden = part.shape().dims::<2>()[1];
+    let all = rows == (0..n);
+    match acc {
+        None if all => part,
+        Some(acc) if all => B::float_add(acc, part),
+        acc => {
+            let acc = acc.unwrap_or_else(|| {
+                let zero = InputScalar::new(0.0f32, part.dtype);
+                full_device_dtype(
+                    part.client.clone(),
+                    Shape::new([n, hidden]),
+                    part.device.clone(),
+                    zero,
+                    part.dtype,
+                )
+            });
+            let slices = [Slice::from(rows), Slice::from(0..hidden)];
+            // The view is consumed by the add before the assignment, so `acc` is uniquely
+            // owned again and updated in place.
+            let sum = B::float_add(B::float_slice(acc.clone(), &slices), part);
+            B::float_slice_assign(acc, &slices, sum)
+        }
+    }
 }
 
 /// `(dh, dW)` of the fused linear cross-entropy for the one-element loss gradient `dloss`.
@@ -114,44 +259,61 @@ where
     let targets = i32_targets::<B, R>(targets);
     // The forward's per-token log-sum-exp is recomputed (one more pass over the vocabulary)
     // rather than saved, so the Autodiff state stays the op's inputs.
-    let r = rows(&h, &w, &targets, ignore_i32(ignore_index));
+    let r = rows::<B, R>(&h, &w, &targets, ignore_i32(ignore_index));
     let dloss = B::float_cast(dloss, FloatDType::F32);
     let scale = B::float_div(dloss, count::<B, R>(r.valid.clone()));
     let coef = into_contiguous(B::float_mul(r.valid, scale));
-    let dh = output(&h, Shape::new([n, hidden]), dtype);
-    let dw = output(&h, Shape::new([hidden, vocab]), dtype);
+    let (row_block, vocab_chunk) = linear_ce_piece();
     let client = h.client.clone();
-    ce_dh_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(n.div_ceil(TILE) as u32, 1, 1),
-        CubeDim::new_1d(TILE as u32),
-        h.clone().into_tensor_arg(),
-        w.clone().into_tensor_arg(),
-        targets.clone().into_tensor_arg(),
-        r.lse.clone().into_tensor_arg(),
-        coef.clone().into_tensor_arg(),
-        dh.clone().into_tensor_arg(),
-        n as u32,
-        hidden as u32,
-        vocab as u32,
-        TILE,
-        dtype.into(),
-    );
-    ce_dw_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(vocab.div_ceil(TILE) as u32, 1, 1),
-        CubeDim::new_1d(TILE as u32),
-        h.into_tensor_arg(),
-        w.into_tensor_arg(),
-        targets.into_tensor_arg(),
-        r.lse.into_tensor_arg(),
-        coef.into_tensor_arg(),
-        dw.clone().into_tensor_arg(),
-        n as u32,
-        hidden as u32,
-        vocab as u32,
-        TILE,
-        dtype.into(),
-    );
+    let mut dh = None;
+    let mut dw = None;
+    for c in blocks(vocab, vocab_chunk) {
+        let w_cols = piece::<B, R>(&w, 0..hidden, c.clone());
+        let mut dw_cols: Option<CubeTensor<R>> = None;
+        for rr in blocks(n, row_block) {
+            let h_rows = piece::<B, R>(&h, rr.clone(), 0..hidden);
+            // The recomputed logits piece, overwritten with its gradient.
+            let g = into_contiguous(B::float_matmul(h_rows.clone(), w_cols.clone()));
+            ce_chunk_grad_kernel::launch::<R>(
+                &client,
+                CubeCount::Static(
+                    c.len().div_ceil(GRAD_TILE) as u32,
+                    rr.len().div_ceil(GRAD_TILE) as u32,
+                    1,
+                ),
+                CubeDim::new_2d(GRAD_TILE as u32, GRAD_ROW_THREADS as u32),
+                g.clone().into_tensor_arg(),
+                targets.clone().into_tensor_arg(),
+                r.lse.clone().into_tensor_arg(),
+                coef.clone().into_tensor_arg(),
+                rr.start as u32,
+                c.start as u32,
+                rr.len() as u32,
+                c.len() as u32,
+                GRAD_TILE,
+                GRAD_ROW_THREADS,
+                dtype.into(),
+            );
+            let dh_part = B::float_matmul(g.clone(), B::float_transpose(w_cols.clone()));
+            dh = Some(add_rows::<B, R>(dh, n, rr, dh_part));
+            let dw_part = B::float_matmul(B::float_transpose(h_rows), g);
+            dw_cols = Some(match dw_cols {
+                None => dw_part,
+                Some(acc) => B::float_add(acc, dw_part),
+            });
+        }
+        if let Some(part) = dw_cols {
+            dw = Some(if c == (0..vocab) {
+                part
+            } else {
+                // Every column belongs to exactly one chunk, so the buffer needs no zeroing.
+                let all = dw.unwrap_or_else(|| output(&h, Shape::new([hidden, vocab]), dtype));
+                B::float_slice_assign(all, &[Slice::from(0..hidden), Slice::from(c)], part)
+            });
+        }
+    }
+    // Empty only for zero tokens or vocabulary, which the API refuses; kept total anyway.
+    let dh = dh.unwrap_or_else(|| output(&h, Shape::new([n, hidden]), dtype));
+    let dw = dw.unwrap_or_else(|| output(&h, Shape::new([hidden, vocab]), dtype));
     (dh, dw)
 }

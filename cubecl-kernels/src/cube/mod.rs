@@ -1,8 +1,10 @@
 //! CubeCL kernels and their `FusedOps` wiring for the CubeCL backends (wgpu, CUDA).
 //!
 //! The kernels are portable (plain shared memory and registers, f32 accumulation) so that
-//! they run on every CubeCL runtime, Mesa's software Vulkan device included. Ops without a
-//! kernel yet fall back to the composed reference of [`crate::reference`].
+//! they run on every CubeCL runtime, Mesa's software Vulkan device included. The MLP and the
+//! linear cross-entropy run their matmuls through Burn's own (CubeCL's tiled matmul, which
+//! can pick tensor-core kernels on CUDA) and fuse everything around them; attention is one
+//! kernel of its own.
 
 mod attention;
 mod cross_entropy;
@@ -22,6 +24,10 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::InputScalar;
 
 use crate::FusedOps;
+
+pub use linear_ce::{
+    linear_ce_piece, set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK,
+};
 
 static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 
