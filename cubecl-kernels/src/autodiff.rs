@@ -63,13 +63,21 @@ impl<B: FusedOps> Backward<B, 3> for LinearGeluBackward {
 struct LinearCrossEntropyBackward;
 
 impl<B: FusedOps> Backward<B, 2> for LinearCrossEntropyBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>, i64);
+    /// Inputs, ignore index and the forward's per-token log-sum-exp (`[tokens]`, never logits).
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        IntTensor<B>,
+        i64,
+        FloatTensor<B>,
+    );
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_h, node_w] = ops.parents;
         let dloss = grads.consume::<B>(&ops.node);
-        let (h, w, targets, ignore_index) = ops.state;
-        let (dh, dw) = B::fused_linear_cross_entropy_backward(h, w, targets, ignore_index, dloss);
+        let (h, w, targets, ignore_index, lse) = ops.state;
+        let (dh, dw) =
+            B::fused_linear_cross_entropy_backward(h, w, targets, ignore_index, lse, dloss);
         for (node, grad) in [(node_h, dh), (node_w, dw)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
@@ -147,7 +155,7 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
         ignore_index: i64,
-    ) -> FloatTensor<Self> {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let prep = LinearCrossEntropyBackward
             .prepare::<C>([h.node.clone(), w.node.clone()])
             .compute_bound()
@@ -155,16 +163,19 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         let (hp, wp) = (h.primitive, w.primitive);
         match prep {
             OpsKind::Tracked(prep) => {
-                let loss = B::fused_linear_cross_entropy(
+                let (loss, lse) = B::fused_linear_cross_entropy(
                     hp.clone(),
                     wp.clone(),
                     targets.clone(),
                     ignore_index,
                 );
-                prep.finish((hp, wp, targets, ignore_index), loss)
+                let state = (hp, wp, targets, ignore_index, lse.clone());
+                // The log-sum-exp is an auxiliary output: it carries no gradient.
+                (prep.finish(state, loss), FloatTensor::<Self>::new(lse))
             }
             OpsKind::UnTracked(prep) => {
-                prep.finish(B::fused_linear_cross_entropy(hp, wp, targets, ignore_index))
+                let (loss, lse) = B::fused_linear_cross_entropy(hp, wp, targets, ignore_index);
+                (prep.finish(loss), FloatTensor::<Self>::new(lse))
             }
         }
     }

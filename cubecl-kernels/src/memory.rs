@@ -50,7 +50,10 @@ mod tests {
         // vectors; the gradients (0.24 GB) are common to both.
         let (mat, fused) = linear_cross_entropy_extra_bytes(8192, 1024, 50304, 4);
         let pieces = (8192 * 1024 + 8192 * 1024 + 2 * 1024 * 1024) * 4;
-        assert_eq!(fused, pieces + 8 * 8192 * 4 + (8192 * 1024 + 1024 * 50304) * 4);
+        assert_eq!(
+            fused,
+            pieces + 8 * 8192 * 4 + (8192 * 1024 + 1024 * 50304) * 4
+        );
         assert!(mat as f64 / fused as f64 > 10.0, "{mat} / {fused}");
     }
 

@@ -81,25 +81,30 @@ pub trait FusedOps: Backend {
 
     /// Mean cross-entropy of `softmax(h·W)` against `targets`, tokens whose target equals
     /// `ignore_index` excluded from both sum and count (loss 0 when every token is ignored).
-    /// Returns a one-element tensor.
+    /// Returns the one-element loss and the per-token log-sum-exp of the logits (`[tokens]`;
+    /// f32 from the kernels, the input type from the composed default), which the backward
+    /// takes so it need not recompute it.
     fn fused_linear_cross_entropy(
         h: FloatTensor<Self>,
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
         ignore_index: i64,
-    ) -> FloatTensor<Self> {
-        reference::linear_cross_entropy::<Self>(h, w, targets, ignore_index)
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::linear_cross_entropy_with_lse::<Self>(h, w, targets, ignore_index)
     }
 
     /// Backward of [`FusedOps::fused_linear_cross_entropy`]: `(dh, dW)` scaled by the
-    /// one-element loss gradient `dloss`.
+    /// one-element loss gradient `dloss`, given the forward's log-sum-exp `lse`.
     fn fused_linear_cross_entropy_backward(
         h: FloatTensor<Self>,
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
         ignore_index: i64,
+        lse: FloatTensor<Self>,
         dloss: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // The composed path recomputes the softmax itself, as for attention.
+        let _ = lse;
         reference::linear_cross_entropy_backward::<Self>(h, w, targets, ignore_index, dloss)
     }
 }

@@ -177,6 +177,16 @@ pub fn linear_cross_entropy<B: Backend>(
     targets: IntTensor<B>,
     ignore_index: i64,
 ) -> FloatTensor<B> {
+    linear_cross_entropy_with_lse::<B>(h, w, targets, ignore_index).0
+}
+
+/// [`linear_cross_entropy`] and the per-token log-sum-exp of the logits (`[tokens]`).
+pub fn linear_cross_entropy_with_lse<B: Backend>(
+    h: FloatTensor<B>,
+    w: FloatTensor<B>,
+    targets: IntTensor<B>,
+    ignore_index: i64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
     let targets = Tensor::<B, 1, Int>::from_primitive(targets);
     let logits = float::<B, 2>(h).matmul(float(w));
     let max = logits.clone().max_dim(1);
@@ -185,7 +195,10 @@ pub fn linear_cross_entropy<B: Backend>(
     let picked = logits
         .gather(1, safe_targets(targets, ignore_index).unsqueeze_dim(1))
         .reshape([-1]);
-    prim(((lse - picked) * valid).sum() / count)
+    (
+        prim(((lse.clone() - picked) * valid).sum() / count),
+        prim(lse),
+    )
 }
 
 /// Reference backward of [`linear_cross_entropy`]: `(dh, dW)` scaled by the loss gradient

@@ -68,14 +68,22 @@ fn linear_cross_entropy_matches_f64_oracle() {
     for (piece, shapes) in [
         (
             (16, 32),
-            vec![([33, 40, 70], false), ([45, 17, 257], false), ([9, 16, 10], true)],
+            vec![
+                ([33, 40, 70], false),
+                ([45, 17, 257], false),
+                ([9, 16, 10], true),
+            ],
         ),
         (
             (
                 cubecl_kernels::cube::DEFAULT_ROW_BLOCK,
                 cubecl_kernels::cube::DEFAULT_VOCAB_CHUNK,
             ),
-            vec![([33, 40, 70], false), ([20, 24, 2500], false), ([9, 16, 10], true)],
+            vec![
+                ([33, 40, 70], false),
+                ([20, 24, 2500], false),
+                ([9, 16, 10], true),
+            ],
         ),
     ] {
         cubecl_kernels::cube::set_linear_ce_piece(piece.0, piece.1);

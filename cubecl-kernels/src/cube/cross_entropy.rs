@@ -6,6 +6,8 @@
 //! * `ce_chunk_stats_kernel`: folds a chunk into each token's running max and running sum of
 //!   `exp` (the online log-sum-exp) and picks the target's logit when it falls in the chunk.
 //! * `ce_finish_kernel`: per token, `lse = max + ln(sum)`, the loss term and the validity.
+//! * `ce_valid_kernel`: per token, whether it counts (for the backward, which gets `lse` from
+//!   the forward).
 //! * `ce_chunk_grad_kernel`: overwrites a recomputed chunk with its gradient
 //!   `g = coef · (softmax − onehot)`, which the launcher multiplies back through Burn's matmul.
 //!
@@ -122,6 +124,25 @@ pub(crate) fn ce_finish_kernel(
         }
         loss[row] = row_loss;
         valid[row] = row_valid;
+    }
+}
+
+/// One thread per token: `valid` = 1.0, or 0.0 where the target is `ignore_index` (f32
+/// `[tokens]`), for the backward's coefficients.
+#[cube(launch)]
+pub(crate) fn ce_valid_kernel(
+    targets: &Tensor<i32>,
+    valid: &mut Tensor<f32>,
+    n: u32,
+    ignore_index: i32,
+) {
+    let row = ABSOLUTE_POS as usize;
+    if row < n as usize {
+        let mut v = f32::new(1.0);
+        if targets[row] == ignore_index {
+            v = f32::new(0.0);
+        }
+        valid[row] = v;
     }
 }
 

@@ -19,7 +19,9 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
-use super::cross_entropy::{ce_chunk_grad_kernel, ce_chunk_stats_kernel, ce_finish_kernel};
+use super::cross_entropy::{
+    ce_chunk_grad_kernel, ce_chunk_stats_kernel, ce_finish_kernel, ce_valid_kernel,
+};
 use super::flash_fwd::HIDDEN;
 use super::output;
 
@@ -106,12 +108,7 @@ fn filled<R: CubeRuntime>(like: &CubeTensor<R>, n: usize, value: f32) -> CubeTen
 }
 
 /// The forward pass over all pieces: per-token log-sum-exp, loss term and validity.
-fn rows<B, R>(
-    h: &CubeTensor<R>,
-    w: &CubeTensor<R>,
-    targets: &CubeTensor<R>,
-    ignore: i32,
-) -> Rows<R>
+fn rows<B, R>(h: &CubeTensor<R>, w: &CubeTensor<R>, targets: &CubeTensor<R>, ignore: i32) -> Rows<R>
 where
     R: CubeRuntime,
     B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
@@ -184,13 +181,14 @@ fn ignore_i32(ignore_index: i64) -> i32 {
     i32::try_from(ignore_index).unwrap_or(i32::MIN)
 }
 
-/// Mean loss (one element, input dtype) of the fused linear cross-entropy.
+/// Mean loss (one element, input dtype) of the fused linear cross-entropy and the per-token
+/// log-sum-exp (f32 `[tokens]`) for the backward.
 pub(crate) fn forward<B, R>(
     h: CubeTensor<R>,
     w: CubeTensor<R>,
     targets: CubeTensor<R>,
     ignore_index: i64,
-) -> CubeTensor<R>
+) -> (CubeTensor<R>, CubeTensor<R>)
 where
     R: CubeRuntime,
     B: Backend<FloatTensorPrimitive = CubeTensor<R>, IntTensorPrimitive = CubeTensor<R>>,
@@ -200,7 +198,7 @@ where
     let targets = i32_targets::<B, R>(targets);
     let r = rows::<B, R>(&h, &w, &targets, ignore_i32(ignore_index));
     let loss = B::float_div(B::float_sum(r.loss), count::<B, R>(r.valid));
-    B::float_cast(loss, FloatDType::from(dtype))
+    (B::float_cast(loss, FloatDType::from(dtype)), r.lse)
 }
 
 /// Adds `part` (`[rows.len(), hidden]`) into rows `rows` of `acc` (`[n, hidden]`), creating
@@ -240,12 +238,19 @@ where
     }
 }
 
-/// `(dh, dW)` of the fused linear cross-entropy for the one-element loss gradient `dloss`.
+/// `(dh, dW)` of the fused linear cross-entropy for the one-element loss gradient `dloss`,
+/// given the forward's per-token log-sum-exp `lse`.
+///
+/// Each piece of logits is recomputed (one matmul) and turned into its gradient in place,
+/// then multiplied into `dh` and `dW` (two matmuls): with the forward's one, four matmuls of
+/// the head's size in all, against three for the materialised path, which pays for them in
+/// `[tokens × vocab]` memory.
 pub(crate) fn backward<B, R>(
     h: CubeTensor<R>,
     w: CubeTensor<R>,
     targets: CubeTensor<R>,
     ignore_index: i64,
+    lse: CubeTensor<R>,
     dloss: CubeTensor<R>,
 ) -> (CubeTensor<R>, CubeTensor<R>)
 where
@@ -257,12 +262,21 @@ where
     let dtype = h.dtype;
     let (h, w) = (into_contiguous(h), into_contiguous(w));
     let targets = i32_targets::<B, R>(targets);
-    // The forward's per-token log-sum-exp is recomputed (one more pass over the vocabulary)
-    // rather than saved, so the Autodiff state stays the op's inputs.
-    let r = rows::<B, R>(&h, &w, &targets, ignore_i32(ignore_index));
+    // A caller passing another float type gets it converted rather than misread.
+    let lse = into_contiguous(B::float_cast(lse, FloatDType::F32));
+    let valid = output(&h, Shape::new([n]), DType::F32);
+    ce_valid_kernel::launch::<R>(
+        &h.client,
+        CubeCount::Static(n.div_ceil(FINISH_THREADS) as u32, 1, 1),
+        CubeDim::new_1d(FINISH_THREADS as u32),
+        targets.clone().into_tensor_arg(),
+        valid.clone().into_tensor_arg(),
+        n as u32,
+        ignore_i32(ignore_index),
+    );
     let dloss = B::float_cast(dloss, FloatDType::F32);
-    let scale = B::float_div(dloss, count::<B, R>(r.valid.clone()));
-    let coef = into_contiguous(B::float_mul(r.valid, scale));
+    let scale = B::float_div(dloss, count::<B, R>(valid.clone()));
+    let coef = into_contiguous(B::float_mul(valid, scale));
     let (row_block, vocab_chunk) = linear_ce_piece();
     let client = h.client.clone();
     let mut dh = None;
@@ -284,7 +298,7 @@ where
                 CubeDim::new_2d(GRAD_TILE as u32, GRAD_ROW_THREADS as u32),
                 g.clone().into_tensor_arg(),
                 targets.clone().into_tensor_arg(),
-                r.lse.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
                 coef.clone().into_tensor_arg(),
                 rr.start as u32,
                 c.start as u32,

@@ -25,9 +25,7 @@ use cubecl::prelude::InputScalar;
 
 use crate::FusedOps;
 
-pub use linear_ce::{
-    linear_ce_piece, set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK,
-};
+pub use linear_ce::{linear_ce_piece, set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK};
 
 static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 
@@ -114,7 +112,7 @@ where
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
         ignore_index: i64,
-    ) -> FloatTensor<Self> {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         linear_ce::forward::<Self, R>(h, w, targets, ignore_index)
     }
 
@@ -123,8 +121,9 @@ where
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
         ignore_index: i64,
+        lse: FloatTensor<Self>,
         dloss: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        linear_ce::backward::<Self, R>(h, w, targets, ignore_index, dloss)
+        linear_ce::backward::<Self, R>(h, w, targets, ignore_index, lse, dloss)
     }
 }
