@@ -127,6 +127,14 @@ pub enum CommError {
         /// What is wrong.
         reason: String,
     },
+    /// A library the communicator needs cannot be loaded (NCCL, CUDA).
+    #[error("{what} is not available: {fix}")]
+    Unavailable {
+        /// The missing library.
+        what: String,
+        /// How to make it available.
+        fix: String,
+    },
 }
 
 /// The part of a timeout message that names the rank holding the run up.

@@ -98,7 +98,7 @@ impl<B: Backend> LocalComm<B> {
         self.mbox.shared()
     }
 
-    fn invalid(&self, action: CommOp, reason: String) -> CommError {
+    pub(crate) fn invalid(&self, action: CommOp, reason: String) -> CommError {
         self.mbox.fail(CommError::InvalidArgument {
             rank: self.mbox.rank(),
             action,
@@ -128,6 +128,48 @@ impl<B: Backend> LocalComm<B> {
             expected: expected.to_vec(),
             actual: actual.to_vec(),
         })
+    }
+
+    /// Returns once every member of `group` has called `agree` with the same `action` and
+    /// `shape`, moving only the shapes: a barrier that also checks the members agree on the
+    /// call.
+    /// Fails like any collective (mismatch, abort, departed peer, timeout). Communicators
+    /// that move the data elsewhere (NCCL) call it first, so that a mismatched or failed peer
+    /// is reported here rather than hanging the device.
+    pub(crate) fn agree(
+        &self,
+        group: Group,
+        action: CommOp,
+        shape: &[usize],
+    ) -> Result<(), CommError> {
+        self.mbox.check_abort(action, shape)?;
+        let others: Vec<usize> = self
+            .group_members(group)
+            .into_iter()
+            .filter(|&r| r != self.mbox.rank())
+            .collect();
+        let mine: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let payload = Payload::Tensor(TensorData::new(mine.clone(), [mine.len()]));
+        let received = self
+            .mbox
+            .exchange(group, action, shape, payload, &others, &others)?;
+        for (&peer, payload) in others.iter().zip(received) {
+            let theirs = match payload {
+                Payload::Tensor(data) => data.to_vec::<i64>().ok(),
+                _ => None,
+            };
+            match theirs {
+                Some(theirs) if theirs == mine => {}
+                Some(theirs) => {
+                    let theirs: Vec<usize> = theirs.iter().map(|&d| d as usize).collect();
+                    return Err(self.shape_mismatch(peer, action, shape, &theirs));
+                }
+                None => {
+                    return Err(self.data_error(action, format!("no shape from rank {peer}")));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Reads a tensor back to the host.
@@ -411,16 +453,7 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
     }
 
     fn barrier(&self, group: Group) -> Result<(), CommError> {
-        let action = CommOp::Barrier(group);
-        self.mbox.check_abort(action, &[])?;
-        let others: Vec<usize> = self
-            .group_members(group)
-            .into_iter()
-            .filter(|&r| r != self.mbox.rank())
-            .collect();
-        self.mbox
-            .exchange(group, action, &[], Payload::Empty, &others, &others)?;
-        Ok(())
+        self.agree(group, CommOp::Barrier(group), &[])
     }
 
     fn abort(&self, cause: &str) {

@@ -43,13 +43,19 @@ mod local;
 mod mailbox;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod store;
 mod threads;
+#[cfg(any(feature = "cuda", test))]
+mod by_all_reduce;
 #[cfg(feature = "mpi")]
 mod wire;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_by_all_reduce;
 #[cfg(test)]
 mod tests_failure;
 
@@ -63,8 +69,10 @@ use burn::tensor::Tensor;
 pub use self::mpi::{mpi_launch_env, MpiComm};
 pub use error::{CommError, RankError};
 pub use local::LocalComm;
+#[cfg(feature = "cuda")]
+pub use nccl::{nccl_available, CudaBackend, NcclComm};
 pub use store::{RendezvousEnv, StoreError, TcpStore};
-pub use threads::run_ranks;
+pub use threads::{run_ranks, ThreadRank, World};
 
 /// Which of a rank's two groups a collective runs over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -3,11 +3,35 @@
 use std::any::Any;
 use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 use std::thread;
 
 use burn::tensor::backend::Backend;
 
+use super::mailbox::Shared;
 use super::{Communicator, LocalComm, RankError};
+
+/// A rank of a world whose ranks are threads of this process ([`LocalComm`], and `NcclComm`
+/// with feature `cuda`): what [`run_ranks`] needs to run it and to stop the world on failure.
+pub trait ThreadRank: Send {
+    /// This rank's world rank.
+    fn world_rank(&self) -> usize;
+    /// The world's shared state (opaque outside this crate).
+    fn world(&self) -> World;
+}
+
+/// Opaque handle on the shared state of a world of threads; see [`ThreadRank`].
+#[derive(Clone)]
+pub struct World(pub(crate) Arc<Shared>);
+
+impl<B: Backend> ThreadRank for LocalComm<B> {
+    fn world_rank(&self) -> usize {
+        Communicator::<B>::rank(self)
+    }
+    fn world(&self) -> World {
+        World(self.shared().clone())
+    }
+}
 
 /// How one rank's closure ended.
 enum Outcome<T, E> {
@@ -42,37 +66,38 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 ///
 /// `f` borrows the communicator rather than owning it, so that a panic does not drop it before
 /// the panic message has been recorded as the cause.
-pub fn run_ranks<B, T, E, F>(comms: Vec<LocalComm<B>>, f: F) -> Result<Vec<T>, RankError<E>>
+pub fn run_ranks<C, T, E, F>(comms: Vec<C>, f: F) -> Result<Vec<T>, RankError<E>>
 where
-    B: Backend,
+    C: ThreadRank,
     T: Send,
     E: Display + Send,
-    F: Fn(&LocalComm<B>) -> Result<T, E> + Sync,
+    F: Fn(&C) -> Result<T, E> + Sync,
 {
-    let Some(shared) = comms.first().map(|c| c.shared().clone()) else {
+    let Some(World(shared)) = comms.first().map(|c| c.world()) else {
         return Ok(Vec::new());
     };
     let mut comms = comms;
-    comms.sort_by_key(|c| c.rank());
-    let ranks: Vec<usize> = comms.iter().map(|c| c.rank()).collect();
+    comms.sort_by_key(|c| c.world_rank());
+    let ranks: Vec<usize> = comms.iter().map(|c| c.world_rank()).collect();
 
     let outcomes: Vec<Outcome<T, E>> = thread::scope(|scope| {
         let mut handles = Vec::with_capacity(comms.len());
         for comm in comms {
-            let rank = comm.rank();
+            let rank = comm.world_rank();
             let f = &f;
+            let world = Arc::clone(&shared);
             let spawned = thread::Builder::new()
                 .name(format!("rank-{rank}"))
                 .spawn_scoped(scope, move || {
                     let outcome = match catch_unwind(AssertUnwindSafe(|| f(&comm))) {
                         Ok(Ok(value)) => Outcome::Done(value),
                         Ok(Err(error)) => {
-                            comm.abort(&error.to_string());
+                            world.abort(rank, error.to_string());
                             Outcome::Failed(error)
                         }
                         Err(payload) => {
                             let message = panic_message(payload.as_ref());
-                            comm.abort(&format!("panicked: {message}"));
+                            world.abort(rank, format!("panicked: {message}"));
                             Outcome::Panicked(message)
                         }
                     };

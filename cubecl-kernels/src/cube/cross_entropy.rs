@@ -112,7 +112,7 @@ pub(crate) fn ce_finish_kernel(
     n: u32,
     ignore_index: i32,
 ) {
-    let row = ABSOLUTE_POS as usize;
+    let row = ABSOLUTE_POS;
     if row < n as usize {
         let row_lse = run_max[row] + run_sum[row].ln();
         lse[row] = row_lse;
@@ -136,7 +136,7 @@ pub(crate) fn ce_valid_kernel(
     n: u32,
     ignore_index: i32,
 ) {
-    let row = ABSOLUTE_POS as usize;
+    let row = ABSOLUTE_POS;
     if row < n as usize {
         let mut v = f32::new(1.0);
         if targets[row] == ignore_index {
