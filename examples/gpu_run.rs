@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Every pipeline and data-parallel rank is a thread of this process and all of them share the
-//! one device (Burn's `LocalComm`), so the run shows the schedule, the sharding and the engine's
+//! one device (`--gpus N` spreads them over N GPUs; `--comm nccl` runs the data-parallel
+//! collectives on NCCL instead of host memory), so the run shows the schedule, the sharding and the engine's
 //! overheads on real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU
 //! against `--peak-tflops` (the H200's dense bf16 peak by default), the bubble of the measured
 //! step, and the simulator's step time, bubble and MFU for the same layout with one GPU of
@@ -21,9 +22,11 @@ use std::time::Duration;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use burn_bfpp::comm::{CommConfig, CommError, Communicator, LocalComm, RankGrid, ThreadRank};
 use burn_bfpp::data::{BatchConfig, BatchLayout, Batcher, MarkovConfig, MarkovCorpus};
-use burn_bfpp::engine::{train_local_on, Checkpointing, EngineConfig, StepProfile};
+use burn_bfpp::engine::{train_local_with_comms, Checkpointing, EngineConfig, StepProfile};
 use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, ModelSplit};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
@@ -42,6 +45,17 @@ enum BackendChoice {
     Cuda,
 }
 
+/// Which communicator the ranks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CommChoice {
+    /// `LocalComm`: every transfer and collective through host memory.
+    Local,
+    /// `NcclComm` (CUDA only): data-parallel collectives as NCCL all-reduces on the device
+    /// buffers; pipeline transfers through host memory. Each data-parallel group needs
+    /// distinct GPUs (`--dp` ≤ `--gpus`, or `--dp 1`: groups of one rank).
+    Nccl,
+}
+
 /// Command-line settings of the run.
 #[derive(Debug, Parser)]
 #[command(about = "Train the reference GPT pipelined on one device; measured vs simulated")]
@@ -49,6 +63,9 @@ struct Args {
     /// Backend to train on.
     #[arg(long, value_enum, default_value = "cuda")]
     backend: BackendChoice,
+    /// Communicator of the ranks.
+    #[arg(long, value_enum, default_value = "local")]
+    comm: CommChoice,
     /// Pipeline ranks P.
     #[arg(long, default_value_t = 4)]
     pp: usize,
@@ -122,21 +139,39 @@ fn main() -> Result<(), Error> {
         )
         .into());
     }
-    match args.backend {
-        BackendChoice::Flex => {
-            run::<burn::backend::Autodiff<burn::backend::Flex>>(&args, |_| Default::default())
-        }
-        #[cfg(feature = "wgpu")]
-        BackendChoice::Wgpu => run::<burn::backend::Autodiff<burn::backend::Wgpu>>(&args, |_| {
-            burn::backend::wgpu::WgpuDevice::default()
-        }),
-        #[cfg(feature = "cuda")]
-        BackendChoice::Cuda => run::<burn::backend::Autodiff<burn::backend::Cuda>>(
+    if args.comm == CommChoice::Nccl && args.backend != BackendChoice::Cuda {
+        return Err("--comm nccl needs --backend cuda".into());
+    }
+    match (args.backend, args.comm) {
+        (BackendChoice::Flex, _) => run::<burn::backend::Autodiff<burn::backend::Flex>, _>(
             &args,
-            burn::backend::cuda::CudaDevice::new,
+            |_| Default::default(),
+            local_comms,
         ),
+        #[cfg(feature = "wgpu")]
+        (BackendChoice::Wgpu, _) => run::<burn::backend::Autodiff<burn::backend::Wgpu>, _>(
+            &args,
+            |_| burn::backend::wgpu::WgpuDevice::default(),
+            local_comms,
+        ),
+        #[cfg(feature = "cuda")]
+        (BackendChoice::Cuda, CommChoice::Local) => {
+            run::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
+                &args,
+                burn::backend::cuda::CudaDevice::new,
+                local_comms,
+            )
+        }
+        #[cfg(feature = "cuda")]
+        (BackendChoice::Cuda, CommChoice::Nccl) => {
+            run::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
+                &args,
+                burn::backend::cuda::CudaDevice::new,
+                burn_bfpp::comm::NcclComm::create,
+            )
+        }
         #[allow(unreachable_patterns)]
-        other => Err(format!(
+        (other, _) => Err(format!(
             "backend {other:?} is not built into this binary: rebuild with `--features {}`",
             format!("{other:?}").to_lowercase()
         )
@@ -156,12 +191,26 @@ fn shape(args: &Args) -> GptShape {
     }
 }
 
-/// Trains with world rank `r` on `device_of(r % args.gpus)`; the model and the data start on
-/// `device_of(0)`.
-fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
+/// `LocalComm` for every rank, the default communicator.
+fn local_comms<B: Backend>(
+    grid: RankGrid,
+    devices: Vec<B::Device>,
+    config: CommConfig,
+) -> Result<Vec<LocalComm<B>>, CommError> {
+    LocalComm::create_with_devices(grid, devices, config)
+}
+
+/// Trains with world rank `r` on `device_of(r % args.gpus)` over the communicators
+/// `make_comms` creates; the model and the data start on `device_of(0)`.
+fn run<B, C>(
     args: &Args,
     device_of: impl Fn(usize) -> B::Device,
-) -> Result<(), Error> {
+    make_comms: impl FnOnce(RankGrid, Vec<B::Device>, CommConfig) -> Result<Vec<C>, CommError>,
+) -> Result<(), Error>
+where
+    B: AutodiffBackend + cubecl_kernels::FusedOps,
+    C: ThreadRank + Communicator<B::InnerBackend>,
+{
     let device = device_of(0);
     let world = args.pp * args.dp;
     // Devices the ranks actually run on (a world smaller than --gpus leaves some idle).
@@ -245,7 +294,7 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
     );
     println!(
         "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}, {}; {} ranks as \
-         threads on {} device(s)",
+         threads on {} device(s), {:?} communicator",
         args.pp,
         args.loops,
         args.dp,
@@ -254,15 +303,21 @@ fn run<B: AutodiffBackend + cubecl_kernels::FusedOps>(
         args.zero,
         args.precision,
         world,
-        gpus_used
+        gpus_used,
+        args.comm
     );
     let ends = Mutex::new(Vec::new());
     let activation = [args.micro_batch_size, gpt.seq_len, gpt.hidden];
     let devices: Vec<B::Device> = (0..world).map(|r| device_of(r % args.gpus)).collect();
-    let outcome = train_local_on(
+    let comms = make_comms(
+        RankGrid::new(cfg.pp, cfg.dp)?,
+        devices,
+        CommConfig::with_timeout(cfg.comm_timeout),
+    )?;
+    let outcome = train_local_with_comms(
         &model,
         &cfg,
-        devices,
+        comms,
         args.steps,
         activation,
         batch,

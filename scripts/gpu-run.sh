@@ -12,8 +12,10 @@
 #                                 simulator's prediction for the same layout, and writes both
 #                                 timelines to target/gpu-run/out/.
 #
-# With more than one GPU it then runs the same training with the ranks spread over all GPUs and
-# checks that the final loss matches the one-GPU run's.
+# It then runs the same training with the NCCL communicator (`--comm nccl`: data-parallel
+# collectives as NCCL all-reduces on the device buffers, here groups of one rank) and, with
+# more than one GPU, with the ranks spread over all GPUs; both must end at the one-GPU run's
+# final loss.
 #
 # On a machine without an NVIDIA GPU, `run` performs every step that does not need one (binary
 # present and runnable) and then stops with exit status 2 and a message saying so.
@@ -23,6 +25,21 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=target/gpu-run
 
 step() { printf '\n==> %s\n' "$*"; }
+
+# Final losses of two logs must agree to 1e-2 (bf16 kernels autotuned per device, and NCCL's
+# sums, may round differently).
+compare_losses() {
+    local a b
+    a=$(grep '^final loss' "$2" | awk '{print $3}' | tr -d ,)
+    b=$(grep '^final loss' "$4" | awk '{print $3}' | tr -d ,)
+    python3 - "$1" "$a" "$3" "$b" <<'PY'
+import sys
+na, a, nb, b = sys.argv[1], float(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+rel = abs(a - b) / abs(a)
+print(f"final loss: {na} {a:.4f}, {nb} {b:.4f}, relative difference {rel:.2e}")
+sys.exit(0 if rel <= 1e-2 else f"check FAILED: {na} and {nb} differ by more than 1e-2")
+PY
+}
 die() { printf 'gpu-run: %s\n' "$1" >&2; exit "${2:-1}"; }
 
 if [[ "${1:-run}" == "build" ]]; then
@@ -30,8 +47,17 @@ if [[ "${1:-run}" == "build" ]]; then
     mkdir -p "$OUT"
     cargo build --release --features cuda --example gpu_run
     cp target/release/examples/gpu_run "$OUT/gpu_run"
-    strip "$OUT/gpu_run"
-    echo "built $OUT/gpu_run; carry $OUT to the GPU machine and run scripts/gpu-run.sh"
+    step "building the NcclComm GPU test (burn-bfpp/tests/nccl_comm.rs)"
+    cargo test -p burn-bfpp --features cuda --test nccl_comm --no-run --message-format=json \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])' \
+        | while read -r exe; do cp "$exe" "$OUT/nccl_comm"; done
+    [[ -x "$OUT/nccl_comm" ]] || die "the NcclComm test binary was not produced"
+    strip "$OUT/gpu_run" "$OUT/nccl_comm"
+    echo "built $OUT/gpu_run and $OUT/nccl_comm; carry $OUT to the GPU machine and run scripts/gpu-run.sh"
     exit 0
 fi
 
@@ -52,23 +78,35 @@ step "training on GPU 0: breadth-first pp=4 loops=2 (8 stages), ZeRO-3, ranks sh
 # shellcheck disable=SC2086
 timeout 300 "$OUT/gpu_run" --backend cuda --out "$OUT/out" ${GPU_RUN_ARGS:-} | tee "$OUT/one-gpu.log"
 
+step "NCCL communicator: collectives on every GPU, then the same run with --comm nccl"
+# cudarc loads `libnccl.so`; PyTorch's wheel ships only libnccl.so.2, so link it when the
+# system has none.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+    lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
+    if [[ -n "$lib" && -f "$lib" ]]; then
+        mkdir -p "$OUT/nccl-lib"
+        ln -sf "$lib" "$OUT/nccl-lib/libnccl.so"
+        export LD_LIBRARY_PATH="$PWD/$OUT/nccl-lib:${LD_LIBRARY_PATH:-}"
+        echo "using $lib"
+    fi
+fi
+if [[ -x "$OUT/nccl_comm" ]]; then
+    timeout 120 "$OUT/nccl_comm" --include-ignored --test-threads=1
+else
+    echo "no $OUT/nccl_comm (built by 'scripts/gpu-run.sh build'): skipping the collective test"
+fi
+# shellcheck disable=SC2086
+timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-nccl" ${GPU_RUN_ARGS:-} \
+    | tee "$OUT/nccl.log"
+compare_losses "LocalComm" "$OUT/one-gpu.log" "NcclComm" "$OUT/nccl.log"
+
 if ((gpus > 1)); then
     step "multi-GPU check: the same run with the ranks spread over $gpus GPUs"
-    # Ranks on different GPUs exchange activations and shards through host memory (LocalComm;
-    # the NCCL communicator is not built yet), so this checks placement and equivalence, not
-    # scaling: the final loss must match the one-GPU run's.
-    one=$(grep '^final loss' "$OUT/one-gpu.log" | awk '{print $3}' | tr -d ,)
+    # Pipeline transfers cross GPUs through host memory, so this checks placement and
+    # equivalence, not scaling: the final loss must match the one-GPU run's.
     # shellcheck disable=SC2086
     timeout 300 "$OUT/gpu_run" --backend cuda --gpus "$gpus" --out "$OUT/out-multi" ${GPU_RUN_ARGS:-} \
         | tee "$OUT/multi-gpu.log"
-    many=$(grep '^final loss' "$OUT/multi-gpu.log" | awk '{print $3}' | tr -d ,)
-    python3 - "$one" "$many" <<'PY'
-import sys
-one, many = float(sys.argv[1]), float(sys.argv[2])
-rel = abs(one - many) / abs(one)
-print(f"final loss: one GPU {one:.4f}, spread over GPUs {many:.4f}, relative difference {rel:.2e}")
-# bf16 kernels autotuned per device may pick different tilings: allow 1e-2.
-sys.exit(0 if rel <= 1e-2 else "multi-GPU check FAILED: the losses differ by more than 1e-2")
-PY
+    compare_losses "one GPU" "$OUT/one-gpu.log" "spread over GPUs" "$OUT/multi-gpu.log"
 fi
 step "done: figures above, timelines in $OUT/out/"

@@ -49,10 +49,6 @@ pub(crate) fn broadcast<B: Backend, const D: usize, E>(
     is_root: bool,
     sum: impl FnOnce(Tensor<B, D>) -> Result<Tensor<B, D>, E>,
 ) -> Result<Tensor<B, D>, E> {
-    let contribution = if is_root {
-        tensor
-    } else {
-        tensor.zeros_like()
-    };
+    let contribution = if is_root { tensor } else { tensor.zeros_like() };
     sum(contribution)
 }

@@ -37,6 +37,8 @@
 //! implements it for ranks that are processes started by `mpirun`/`srun`, with the same
 //! semantics and bitwise the same results.
 
+#[cfg(any(feature = "cuda", test))]
+mod by_all_reduce;
 mod error;
 mod host;
 mod local;
@@ -47,8 +49,6 @@ mod mpi;
 mod nccl;
 mod store;
 mod threads;
-#[cfg(any(feature = "cuda", test))]
-mod by_all_reduce;
 #[cfg(feature = "mpi")]
 mod wire;
 
@@ -267,6 +267,42 @@ impl RankGrid {
             .map(|g| self.group_member(rank, group, g))
             .collect()
     }
+}
+
+/// Fails unless `ids` holds one device per rank of `grid` and the members of every
+/// data-parallel group are on distinct devices, which NCCL requires of a communicator's
+/// members (it refuses two on one GPU). Generic over the device id so the rule is tested on
+/// machines without GPUs.
+pub fn check_distinct_devices<Id: PartialEq + fmt::Display>(
+    grid: RankGrid,
+    ids: &[Id],
+) -> Result<(), CommError> {
+    let invalid = |reason: String| CommError::InvalidGrid {
+        pp: grid.pp(),
+        dp: grid.dp(),
+        reason,
+    };
+    if ids.len() != grid.world_size() {
+        return Err(invalid(format!(
+            "{} devices given for a world of {} ranks",
+            ids.len(),
+            grid.world_size()
+        )));
+    }
+    for pp_index in 0..grid.pp() {
+        let members = grid.group_members(pp_index, Group::DataParallel);
+        for (i, &a) in members.iter().enumerate() {
+            if let Some(&b) = members[i + 1..].iter().find(|&&b| ids[b] == ids[a]) {
+                return Err(invalid(format!(
+                    "ranks {a} and {b} are replicas of one pipeline rank on the same device \
+                     ({}); NCCL needs each data-parallel group on distinct GPUs: give every \
+                     replica its own GPU (--gpus ≥ --dp), or use LocalComm for ranks sharing one",
+                    ids[a]
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One rank's handle on the world: point-to-point transfers and group collectives.

@@ -88,9 +88,9 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
         devices: Vec<CudaDevice>,
         config: CommConfig,
     ) -> Result<Vec<Self>, CommError> {
-        nccl_available()?;
         let ids: Vec<DeviceId> = devices.iter().map(|d| d.to_id()).collect();
-        check_distinct_gpus(grid, &ids)?;
+        super::check_distinct_devices(grid, &ids)?;
+        nccl_available()?;
         let locals = LocalComm::create_with_devices(grid, devices, config)?;
         Ok(locals
             .into_iter()
@@ -154,39 +154,6 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
         let reduced = self.nccl_all_reduce(action, tensor.into_primitive().tensor(), op)?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(reduced)))
     }
-}
-
-/// Fails if two ranks of one data-parallel group are on the same device.
-fn check_distinct_gpus(grid: RankGrid, ids: &[DeviceId]) -> Result<(), CommError> {
-    if ids.len() != grid.world_size() {
-        return Err(CommError::InvalidGrid {
-            pp: grid.pp(),
-            dp: grid.dp(),
-            reason: format!(
-                "{} devices given for a world of {} ranks",
-                ids.len(),
-                grid.world_size()
-            ),
-        });
-    }
-    for pp_index in 0..grid.pp() {
-        let members = grid.group_members(pp_index, Group::DataParallel);
-        for (i, &a) in members.iter().enumerate() {
-            if let Some(&b) = members[i + 1..].iter().find(|&&b| ids[b] == ids[a]) {
-                return Err(CommError::InvalidGrid {
-                    pp: grid.pp(),
-                    dp: grid.dp(),
-                    reason: format!(
-                        "ranks {a} and {b} are replicas of one pipeline rank on the same GPU \
-                         ({}); NCCL needs each data-parallel group on distinct GPUs: give \
-                         every replica its own GPU, or use LocalComm for ranks sharing one",
-                        ids[a]
-                    ),
-                });
-            }
-        }
-    }
-    Ok(())
 }
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> ThreadRank for NcclComm<F, I, BT> {
@@ -263,9 +230,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
                 format!("length {len} is not divisible by the group size {size}"),
             ));
         }
-        by_all_reduce::reduce_scatter(tensor, me, size, |t| {
-            self.all_reduce_tensor(action, t, op)
-        })
+        by_all_reduce::reduce_scatter(tensor, me, size, |t| self.all_reduce_tensor(action, t, op))
     }
 
     fn all_reduce<const D: usize>(

@@ -85,3 +85,21 @@ fn agreement_reports_a_different_collective_or_shape() {
     let text = err.to_string();
     assert!(text.contains("[4, 6]") && text.contains("[4, 5]"), "{text}");
 }
+
+#[test]
+fn nccl_groups_must_span_distinct_devices() {
+    let grid = RankGrid::new(2, 2).unwrap();
+    // Replica d on device d: both data-parallel groups span devices 0 and 1.
+    assert!(check_distinct_devices(grid, &[0, 0, 1, 1]).is_ok());
+    // Pipeline rank 1's replicas (world ranks 1 and 3) share device 1.
+    let err = check_distinct_devices(grid, &[0, 1, 2, 1])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ranks 1 and 3") && err.contains("distinct GPUs"),
+        "{err}"
+    );
+    assert!(check_distinct_devices(grid, &[0, 1, 2]).is_err());
+    // Groups of one rank never conflict, whatever the devices.
+    assert!(check_distinct_devices(RankGrid::new(4, 1).unwrap(), &[0, 0, 0, 0]).is_ok());
+}

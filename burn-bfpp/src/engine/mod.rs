@@ -33,7 +33,9 @@ pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPl
 pub use shard::ShardLayout;
 pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};
 
-use crate::comm::{run_ranks, CommConfig, Communicator, LocalComm, RankError, RankGrid};
+use crate::comm::{
+    run_ranks, CommConfig, CommError, Communicator, LocalComm, RankError, RankGrid, ThreadRank,
+};
 use crate::model::{
     module_to_device, recombine, split_model, MicroBatch, ModelSplit, PipelineModel,
 };
@@ -282,11 +284,62 @@ where
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport) + Sync,
 {
-    let program = cfg.program()?;
+    // A bad layout is reported before anything about the rank grid.
+    cfg.program()?;
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
-    let home = model.devices().into_iter().next().unwrap_or_default();
     let comms: Vec<LocalComm<B::InnerBackend>> =
         LocalComm::create_with_devices(grid, devices, CommConfig::with_timeout(cfg.comm_timeout))?;
+    train_local_with_comms(
+        model,
+        cfg,
+        comms,
+        steps,
+        activation_shape,
+        batch,
+        on_step,
+        checkpointing,
+    )
+}
+
+/// [`train_local_on`] over communicators the caller created, one per world rank of a
+/// `cfg.pp × cfg.dp` world of threads (any [`ThreadRank`] communicator: [`LocalComm`], or
+/// `NcclComm` with feature `cuda`, which runs the data-parallel collectives on NCCL). Each
+/// rank computes on its communicator's device; the returned model is on the device of
+/// `model`.
+#[allow(clippy::too_many_arguments)]
+pub fn train_local_with_comms<B, M, C, F, P>(
+    model: &M,
+    cfg: &EngineConfig,
+    comms: Vec<C>,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+    on_step: P,
+    checkpointing: Checkpointing<'_>,
+) -> Result<TrainOutcome<M>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    M::Stage: Send,
+    C: ThreadRank + Communicator<B::InnerBackend>,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport) + Sync,
+{
+    let program = cfg.program()?;
+    let grid = RankGrid::new(cfg.pp, cfg.dp)?;
+    if comms.len() != grid.world_size() || comms.iter().any(|c| c.grid() != grid) {
+        return Err(EngineError::from(CommError::InvalidGrid {
+            pp: cfg.pp,
+            dp: cfg.dp,
+            reason: format!(
+                "{} communicators given for a world of {} ranks, or built for another grid; \
+                 create them with the configuration's pp and dp",
+                comms.len(),
+                grid.world_size()
+            ),
+        }));
+    }
+    let home = model.devices().into_iter().next().unwrap_or_default();
     // Split once; each rank takes its own stages out of this table inside its thread.
     let ranges = split_model(model, program.num_stages(), &cfg.split)?;
     let mut modules: Vec<Option<M::Stage>> = model.stages(&ranges)?.into_iter().map(Some).collect();
