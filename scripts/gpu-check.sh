@@ -27,11 +27,7 @@ if [[ "${1:-run}" == "build" ]]; then
     mkdir -p "$OUT"
     cargo test -p cubecl-kernels --no-default-features --features cuda --test cuda_kernels \
         --no-run --message-format=json \
-        | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["executable"])' \
+        | python3 scripts/test-executables.py \
         | while read -r exe; do cp "$exe" "$OUT/cuda_kernels"; done
     [[ -x "$OUT/cuda_kernels" ]] || die "the CUDA test binary was not produced"
     # The root package's feature set, shared with scripts/gpu-run.sh's build.

@@ -49,11 +49,7 @@ if [[ "${1:-run}" == "build" ]]; then
     cp target/release/examples/gpu_run "$OUT/gpu_run"
     step "building the NcclComm GPU test (burn-bfpp/tests/nccl_comm.rs)"
     cargo test -p burn-bfpp --features cuda --test nccl_comm --no-run --message-format=json \
-        | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["executable"])' \
+        | python3 scripts/test-executables.py \
         | while read -r exe; do cp "$exe" "$OUT/nccl_comm"; done
     [[ -x "$OUT/nccl_comm" ]] || die "the NcclComm test binary was not produced"
     strip "$OUT/gpu_run" "$OUT/nccl_comm"

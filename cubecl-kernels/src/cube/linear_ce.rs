@@ -118,8 +118,8 @@ where
     let (row_block, vocab_chunk) = linear_ce_piece();
     let run_max = filled(h, n, HIDDEN);
     let run_sum = filled(h, n, 0.0);
-    // Stays 0 for a target outside the vocabulary, as in the materialised path's `gather`
-    // would not: such targets are a caller error the API cannot check without a read-back.
+    // Stays 0 for a target outside the vocabulary: such targets are a caller error that the
+    // API cannot check without reading the targets back, and the loss term is then `lse`.
     let target_logit = filled(h, n, 0.0);
     let client = h.client.clone();
     for r in blocks(n, row_block) {
