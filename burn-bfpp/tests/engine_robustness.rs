@@ -160,3 +160,45 @@ fn a_rank_slower_than_the_timeout_is_named_by_the_ranks_that_give_up() {
         "the message must name rank 1 as the stalled one: {msg}"
     );
 }
+
+/// Communicators made by the caller (the path `NcclComm` takes) train exactly like the ones
+/// `train_local` makes; communicators of another grid are refused with the layout named.
+#[test]
+fn caller_made_communicators_train_like_train_local_and_must_match_the_grid() {
+    use burn_bfpp::comm::{CommConfig, LocalComm, RankGrid};
+    use burn_bfpp::engine::train_local_with_comms;
+
+    let base = model();
+    let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
+    let expected = train_local(&base, &cfg, 2, activation(), batch, |_| {}).expect("runs");
+    let config = CommConfig::with_timeout(Duration::from_secs(30));
+    let comms = LocalComm::create(RankGrid::new(2, 2).expect("grid"), config);
+    let got = train_local_with_comms(
+        &base,
+        &cfg,
+        comms,
+        2,
+        activation(),
+        batch,
+        |_| {},
+        Checkpointing::default(),
+    )
+    .expect("runs");
+    assert_eq!(got.losses, expected.losses);
+    assert_eq!(params(&got.model), params(&expected.model));
+
+    let wrong = LocalComm::create(RankGrid::new(4, 1).expect("grid"), config);
+    let err = train_local_with_comms(
+        &base,
+        &cfg,
+        wrong,
+        2,
+        activation(),
+        batch,
+        |_| {},
+        Checkpointing::default(),
+    )
+    .err()
+    .expect("a 4 × 1 world for a 2 × 2 layout");
+    assert!(err.to_string().contains("pp=2 × dp=2"), "{err}");
+}
