@@ -188,7 +188,7 @@ fn caller_made_communicators_train_like_train_local_and_must_match_the_grid() {
     assert_eq!(params(&got.model), params(&expected.model));
 
     let wrong = LocalComm::create(RankGrid::new(4, 1).expect("grid"), config);
-    let err = train_local_with_comms(
+    let refused = train_local_with_comms(
         &base,
         &cfg,
         wrong,
@@ -197,8 +197,9 @@ fn caller_made_communicators_train_like_train_local_and_must_match_the_grid() {
         batch,
         |_| {},
         Checkpointing::default(),
-    )
-    .err()
-    .expect("a 4 × 1 world for a 2 × 2 layout");
+    );
+    let Err(err) = refused else {
+        panic!("a 4 × 1 world for a 2 × 2 layout must be refused");
+    };
     assert!(err.to_string().contains("pp=2 × dp=2"), "{err}");
 }
