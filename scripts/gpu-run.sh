@@ -57,11 +57,13 @@ if [[ "${1:-run}" == "build" ]]; then
     exit 0
 fi
 
-step "carried binary"
-[[ -x "$OUT/gpu_run" ]] \
-    || die "missing $OUT/gpu_run: run 'scripts/gpu-run.sh build' on the build machine first"
-"$OUT/gpu_run" --help >/dev/null || die "$OUT/gpu_run does not start on this machine"
-echo "found $OUT/gpu_run"
+step "carried binaries"
+for bin in gpu_run nccl_comm; do
+    [[ -x "$OUT/$bin" ]] \
+        || die "missing $OUT/$bin: run 'scripts/gpu-run.sh build' on the build machine first"
+    "$OUT/$bin" --help >/dev/null || die "$OUT/$bin does not start on this machine"
+    echo "found $OUT/$bin"
+done
 
 step "NVIDIA GPU"
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
@@ -86,11 +88,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
         echo "using $lib"
     fi
 fi
-if [[ -x "$OUT/nccl_comm" ]]; then
-    timeout 120 "$OUT/nccl_comm" --include-ignored --test-threads=1
-else
-    echo "no $OUT/nccl_comm (built by 'scripts/gpu-run.sh build'): skipping the collective test"
-fi
+timeout 120 "$OUT/nccl_comm" --include-ignored --test-threads=1
 # shellcheck disable=SC2086
 timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-nccl" ${GPU_RUN_ARGS:-} \
     | tee "$OUT/nccl.log"

@@ -113,6 +113,14 @@ fn refuses_bad_settings_with_the_fix() {
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(stderr.contains("--backend cuda only"), "{stderr}");
 
+    let result = run(&["--backend", "flex", "--comm", "nccl"]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        stderr.contains("--comm nccl needs --backend cuda"),
+        "{stderr}"
+    );
+
     if !cfg!(feature = "cuda") {
         let result = run(&["--backend", "cuda"]);
         assert!(!result.status.success());

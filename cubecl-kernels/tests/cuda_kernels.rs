@@ -42,6 +42,8 @@ fn cuda_linear_cross_entropy_matches_f64_oracle() {
     for (shape, all_ignored) in [
         ([33, 40, 70], false),
         ([100, 64, 1000], false),
+        // Three vocabulary chunks of the default piece, the last partial.
+        ([100, 64, 2500], false),
         ([9, 16, 10], true),
     ] {
         check_linear_ce::<Cuda>(&dev, &mut rng, shape, all_ignored, TOL);

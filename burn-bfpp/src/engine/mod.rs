@@ -285,13 +285,14 @@ where
     P: Fn(&StepReport) + Sync,
 {
     // A bad layout is reported before anything about the rank grid.
-    cfg.program()?;
+    let program = cfg.program()?;
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
     let comms: Vec<LocalComm<B::InnerBackend>> =
         LocalComm::create_with_devices(grid, devices, CommConfig::with_timeout(cfg.comm_timeout))?;
-    train_local_with_comms(
+    train_world(
         model,
         cfg,
+        program,
         comms,
         steps,
         activation_shape,
@@ -326,6 +327,41 @@ where
     P: Fn(&StepReport) + Sync,
 {
     let program = cfg.program()?;
+    train_world(
+        model,
+        cfg,
+        program,
+        comms,
+        steps,
+        activation_shape,
+        batch,
+        on_step,
+        checkpointing,
+    )
+}
+
+/// The body of the `train_local*` entry points, given the configuration's program (computed
+/// once by the caller).
+#[allow(clippy::too_many_arguments)]
+fn train_world<B, M, C, F, P>(
+    model: &M,
+    cfg: &EngineConfig,
+    program: PipelineSchedule,
+    comms: Vec<C>,
+    steps: usize,
+    activation_shape: [usize; 3],
+    batch: F,
+    on_step: P,
+    checkpointing: Checkpointing<'_>,
+) -> Result<TrainOutcome<M>, EngineError>
+where
+    B: AutodiffBackend,
+    M: PipelineModel<B> + Clone,
+    M::Stage: Send,
+    C: ThreadRank + Communicator<B::InnerBackend>,
+    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
+    P: Fn(&StepReport) + Sync,
+{
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
     if comms.len() != grid.world_size() || comms.iter().any(|c| c.grid() != grid) {
         return Err(EngineError::from(CommError::InvalidGrid {
