@@ -9,8 +9,8 @@
 //!
 //! Every pipeline and data-parallel rank is a thread of this process and all of them share the
 //! one device (`--gpus N` spreads them over N GPUs; `--comm nccl` runs the data-parallel
-//! collectives on NCCL instead of host memory), so the run shows the schedule, the sharding and the engine's
-//! overheads on real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU
+//! collectives on NCCL instead of host memory), so the run shows the schedule, the sharding
+//! and the engine's overheads on real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU
 //! against `--peak-tflops` (the H200's dense bf16 peak by default), the bubble of the measured
 //! step, and the simulator's step time, bubble and MFU for the same layout with one GPU of
 //! `--hardware` per rank. It writes the measured and the simulated timelines (SVG) and the
@@ -22,7 +22,6 @@ use std::time::Duration;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use burn_bfpp::comm::{CommConfig, CommError, Communicator, LocalComm, RankGrid, ThreadRank};
 use burn_bfpp::data::{BatchConfig, BatchLayout, Batcher, MarkovConfig, MarkovCorpus};
@@ -103,8 +102,8 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     /// GPUs to spread the ranks over (CUDA only): world rank `r` runs on GPU `r % gpus`.
-    /// Activations and collectives cross GPUs through host memory (Burn's `LocalComm`), not
-    /// NCCL: a correctness check of multi-GPU placement, not a scaling measurement.
+    /// Activations cross GPUs through host memory, and so do collectives unless `--comm
+    /// nccl`: a correctness check of multi-GPU placement, not a scaling measurement.
     #[arg(long, default_value_t = 1)]
     gpus: usize,
     /// Compute precision of the stages: fp32, bf16 (the default: what the MFU's bf16 peak
@@ -146,20 +145,20 @@ fn main() -> Result<(), Error> {
         (BackendChoice::Flex, _) => run::<burn::backend::Autodiff<burn::backend::Flex>, _>(
             &args,
             |_| Default::default(),
-            local_comms,
+            LocalComm::create_with_devices,
         ),
         #[cfg(feature = "wgpu")]
         (BackendChoice::Wgpu, _) => run::<burn::backend::Autodiff<burn::backend::Wgpu>, _>(
             &args,
             |_| burn::backend::wgpu::WgpuDevice::default(),
-            local_comms,
+            LocalComm::create_with_devices,
         ),
         #[cfg(feature = "cuda")]
         (BackendChoice::Cuda, CommChoice::Local) => {
             run::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
                 &args,
                 burn::backend::cuda::CudaDevice::new,
-                local_comms,
+                LocalComm::create_with_devices,
             )
         }
         #[cfg(feature = "cuda")]
@@ -189,15 +188,6 @@ fn shape(args: &Args) -> GptShape {
         sequence: args.seq_len,
         vocabulary: args.vocab,
     }
-}
-
-/// `LocalComm` for every rank, the default communicator.
-fn local_comms<B: Backend>(
-    grid: RankGrid,
-    devices: Vec<B::Device>,
-    config: CommConfig,
-) -> Result<Vec<LocalComm<B>>, CommError> {
-    LocalComm::create_with_devices(grid, devices, config)
 }
 
 /// Trains with world rank `r` on `device_of(r % args.gpus)` over the communicators

@@ -29,7 +29,6 @@ use burn::backend::cuda::CudaDevice;
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
-use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::CudaRuntime;
 use cubecl::device::{Device as _, DeviceId};
@@ -113,15 +112,15 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
 
     /// The NCCL all-reduce of `tensor` over the data-parallel group, after checking that
     /// every member issues `action` on the same shape.
-    fn nccl_all_reduce(
+    fn all_reduce_tensor<const D: usize>(
         &self,
         action: CommOp,
-        tensor: CubeTensor<CudaRuntime>,
+        tensor: Tensor<CudaBackend<F, I, BT>, D>,
         op: ReduceOp,
-    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+    ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
         self.local
-            .agree(Group::DataParallel, action, tensor.meta.shape())?;
-        let input = into_contiguous(tensor);
+            .agree(Group::DataParallel, action, &tensor.dims())?;
+        let input = into_contiguous(tensor.into_primitive().tensor());
         let output = empty_device_dtype(
             input.client.clone(),
             input.device.clone(),
@@ -142,17 +141,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
         );
         // Later work on this stream waits for the communication stream; the host does not.
         client.sync_collective();
-        Ok(output)
-    }
-
-    fn all_reduce_tensor<const D: usize>(
-        &self,
-        action: CommOp,
-        tensor: Tensor<CudaBackend<F, I, BT>, D>,
-        op: ReduceOp,
-    ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
-        let reduced = self.nccl_all_reduce(action, tensor.into_primitive().tensor(), op)?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(reduced)))
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
     }
 }
 
