@@ -52,6 +52,11 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 nvidia-smi -L
 
+step "CUDA libraries (NVRTC, NCCL) for the dynamic loader"
+# shellcheck source=scripts/gpu-libs.sh
+source scripts/gpu-libs.sh
+gpu_libs "$OUT/libs"
+
 step "python and PyTorch"
 command -v python3 >/dev/null || die "python3 not found"
 python3 -c 'import torch; print("torch", torch.__version__)' \

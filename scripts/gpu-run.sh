@@ -70,6 +70,11 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
     die "no NVIDIA GPU on this machine: stopping here, before the CUDA training run (everything above passed)" 2
 fi
 nvidia-smi -L
+
+step "CUDA libraries (NVRTC, NCCL) for the dynamic loader"
+# shellcheck source=scripts/gpu-libs.sh
+source scripts/gpu-libs.sh
+gpu_libs "$OUT/libs"
 gpus=$(nvidia-smi -L | grep -c '^GPU ')
 
 step "training on GPU 0: breadth-first pp=4 loops=2 (8 stages), ZeRO-3, ranks sharing the GPU"
@@ -77,17 +82,6 @@ step "training on GPU 0: breadth-first pp=4 loops=2 (8 stages), ZeRO-3, ranks sh
 timeout 300 "$OUT/gpu_run" --backend cuda --out "$OUT/out" ${GPU_RUN_ARGS:-} | tee "$OUT/one-gpu.log"
 
 step "NCCL communicator: collectives on every GPU, then the same run with --comm nccl"
-# cudarc loads `libnccl.so`; PyTorch's wheel ships only libnccl.so.2, so link it when the
-# system has none.
-if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
-    lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
-    if [[ -n "$lib" && -f "$lib" ]]; then
-        mkdir -p "$OUT/nccl-lib"
-        ln -sf "$lib" "$OUT/nccl-lib/libnccl.so"
-        export LD_LIBRARY_PATH="$PWD/$OUT/nccl-lib:${LD_LIBRARY_PATH:-}"
-        echo "using $lib"
-    fi
-fi
 timeout 120 "$OUT/nccl_comm" --include-ignored --test-threads=1
 # shellcheck disable=SC2086
 timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-nccl" ${GPU_RUN_ARGS:-} \

@@ -1,0 +1,59 @@
+# Sourced by scripts/gpu-check.sh and scripts/gpu-run.sh on the GPU machine: makes the CUDA
+# libraries that CubeCL and cudarc load at run time findable, and says which ones it uses.
+#
+# cudarc (built here without a CUDA toolkit, so for the newest CUDA 13 it knows) dlopens
+# `libcuda.so.1`, `libnvrtc.so.13` / `libnvrtc.so` and `libnccl.so` by name. The driver's
+# libcuda is normally on the loader path already; NVRTC and NCCL often are not: the CUDA
+# toolkit keeps NVRTC in /usr/local/cuda/lib64 (preferred: it matches the driver, and CubeCL
+# hands the driver NVRTC's PTX), and PyTorch's wheels ship both under site-packages/nvidia,
+# with NCCL only as libnccl.so.2.
+# Usage: gpu_libs <folder for links>
+prepend_lib_path() {
+    export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+gpu_libs() {
+    local links=$1 found dir py_dirs nvrtc nccl
+    mkdir -p "$links" && links=$(cd "$links" && pwd)
+    py_dirs=$(python3 -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null || true)
+    if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
+        for dir in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+            if [[ -e "$dir/libcuda.so.1" ]]; then
+                prepend_lib_path "$dir"
+                break
+            fi
+        done
+    fi
+    nvrtc=""
+    if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so\.13 '; then
+        for found in /usr/local/cuda/lib64/libnvrtc.so.13*; do
+            [[ -e "$found" ]] && nvrtc=$found && break
+        done
+        if [[ -z "$nvrtc" && -n "$py_dirs" ]]; then
+            # shellcheck disable=SC2086
+            nvrtc=$(find $py_dirs -name 'libnvrtc.so.13*' 2>/dev/null | sort | head -1)
+        fi
+        if [[ -n "$nvrtc" ]]; then
+            ln -sf "$nvrtc" "$links/libnvrtc.so.13"
+            # NVRTC loads its builtins library from the loader path too.
+            prepend_lib_path "$(dirname "$nvrtc")"
+        else
+            nvrtc="NOT FOUND (no CUDA toolkit, no PyTorch nvidia wheels): CUDA kernels cannot compile"
+        fi
+    fi
+    nccl=""
+    if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+        if [[ -n "$py_dirs" ]]; then
+            # shellcheck disable=SC2086
+            nccl=$(find $py_dirs -name 'libnccl.so.2*' 2>/dev/null | sort | head -1)
+        fi
+        if [[ -n "$nccl" ]]; then
+            ln -sf "$nccl" "$links/libnccl.so"
+        else
+            nccl="NOT FOUND: the NCCL steps will fail"
+        fi
+    fi
+    prepend_lib_path "$links"
+    echo "gpu-libs: nvrtc ${nvrtc:-from the loader path}, nccl ${nccl:-from the loader path}"
+    echo "gpu-libs: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+}
