@@ -11,6 +11,8 @@ use common::{
     attn_case, check_attention, check_attention_dtype, check_linear_ce, check_linear_ce_dtype,
     check_linear_gelu_dtype, Rng,
 };
+use cubecl::cuda::CudaRuntime;
+use cubecl_kernels::cube::{attention_uses_tensor_cores, tiled_launches};
 
 const TOL: f64 = 1e-4;
 
@@ -70,7 +72,9 @@ fn cuda_linear_gelu_matches_f64_oracle() {
 }
 
 /// Flash attention and the fused linear cross-entropy in f16 and bf16 on CUDA (the production
-/// types; lavapipe refuses bf16, so this is where bf16 is checked).
+/// types; lavapipe refuses bf16, so this is where bf16 is checked). Attention of
+/// these types runs on tensor cores here (the `cmma` tile kernels, forward and backward), the
+/// one place they can run.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn cuda_attention_and_linear_ce_half_types_match_f64_oracle() {
@@ -81,9 +85,22 @@ fn cuda_attention_and_linear_ce_half_types_match_f64_oracle() {
             ([1, 2, 33, 45, 16], true, true),
             ([2, 2, 130, 130, 128], true, false),
             ([1, 1, 64, 97, 64], false, true),
+            ([1, 3, 200, 77, 32], true, true),
+            ([1, 1, 1, 1, 48], false, false),
         ] {
+            let head_dim = shape[4];
+            assert!(
+                attention_uses_tensor_cores::<CudaRuntime>(&dev, dtype, head_dim),
+                "{dtype:?} head dim {head_dim}: attention should run on tensor cores"
+            );
+            let before = tiled_launches();
             let c = attn_case(&mut rng, shape, causal, masked);
             check_attention_dtype::<Cuda>(&dev, &mut rng, &c, dtype, 1e-2);
+            let after = tiled_launches();
+            assert!(
+                after.forward > before.forward && after.dq > before.dq && after.dkdv > before.dkdv,
+                "{dtype:?} {shape:?}: not every attention kernel ran on the tile kernels"
+            );
         }
         check_linear_ce_dtype::<Cuda>(&dev, &mut rng, [33, 40, 70], false, dtype, 1e-2);
         check_linear_ce_dtype::<Cuda>(&dev, &mut rng, [100, 64, 1000], false, dtype, 1e-2);

@@ -7,33 +7,19 @@ mod common;
 
 use burn::backend::wgpu::{Wgpu, WgpuDevice};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::DType;
 use common::{
     attn_case, check_attention, check_attention_and_linear_ce_refuse, check_attention_dtype,
     check_linear_ce, check_linear_ce_dtype, check_linear_gelu, check_linear_gelu_dtype,
-    check_linear_gelu_refuses, Rng,
+    check_linear_gelu_refuses, wgpu_cpu_device, Rng,
 };
 
 const TOL: f64 = 1e-4;
 /// Tolerance for f16/bf16 inputs (outputs and gradients stored in the half type).
 const HALF_TOL: f64 = 1e-2;
 
-/// The CPU adapter, after proving it works; panics with install instructions otherwise.
 fn device() -> WgpuDevice {
-    cubecl_kernels::cube::set_poison_outputs(true);
-    let device = WgpuDevice::Cpu;
-    let probe = std::panic::catch_unwind(|| {
-        let t =
-            Tensor::<Wgpu, 1>::from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &WgpuDevice::Cpu);
-        t.sum().into_data().to_vec::<f32>()
-    });
-    match probe {
-        Ok(Ok(v)) if v == [3.0] => device,
-        other => panic!(
-            "no working CPU Vulkan adapter for the wgpu kernel tests ({other:?}); install Mesa's \
-             software Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1"
-        ),
-    }
+    wgpu_cpu_device()
 }
 
 #[test]

@@ -9,8 +9,13 @@ use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
 use super::flash_bwd::{flash_dkdv_kernel, flash_dq_kernel};
+use super::flash_bwd_tiles::{
+    dkdv_shared_bytes, dq_shared_bytes, flash_dkdv_tiles_kernel, flash_dq_tiles_kernel,
+};
 use super::flash_fwd::flash_fwd_kernel;
-use super::output;
+use super::flash_fwd_tiles::{flash_fwd_tiles_kernel, shared_bytes};
+use super::tiles::FRAG;
+use super::{attention_kernel, output, AttentionKernel, TILED_LAUNCHES};
 
 /// Query rows per cube (one thread each).
 pub(crate) const BLOCK_Q: usize = 32;
@@ -37,6 +42,62 @@ where
     }
 }
 
+/// Shared memory the tile kernel may declare: what the device reports, at most the 48 KiB
+/// CUDA gives a kernel without an opt-in attribute.
+const TILES_SHARED_CAP: usize = 48 * 1024;
+
+/// The tile kernels, for choosing how many planes fit in shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TileKernel {
+    Forward,
+    Dq,
+    DkDv,
+}
+
+/// How a tile kernel runs on this device for `dtype` and `head_dim`: `(planes, plane_dim,
+/// use_cmma)`, or `None` when it does not apply (head dimension not a multiple of 16, no
+/// plane count fits in shared memory, or, under [`AttentionKernel::Auto`], no tensor-core
+/// fragment of the input type with f32 accumulation).
+pub(crate) fn tiles_plan<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    kernel: TileKernel,
+    dtype: DType,
+    head_dim: usize,
+) -> Option<(usize, usize, bool)> {
+    let choice = attention_kernel();
+    if choice == AttentionKernel::Scalar || head_dim % FRAG != 0 {
+        return None;
+    }
+    let props = client.properties();
+    let elem: StorageType = dtype.into();
+    let f32_: StorageType = DType::F32.into();
+    let frag = FRAG as u32;
+    let has_cmma = matches!(dtype, DType::F16 | DType::BF16)
+        && props.features.matmul.cmma.iter().any(|c| {
+            c.a_type == elem
+                && c.b_type == elem
+                && c.cd_type == f32_
+                && (c.m, c.n, c.k) == (frag, frag, frag)
+        });
+    if !has_cmma && choice == AttentionKernel::Auto {
+        return None;
+    }
+    let hw = &props.hardware;
+    // Fragments are plane-wide: the cube's x dimension must be the hardware plane width.
+    let plane_dim = hw.plane_size_max.max(1) as usize;
+    let budget = hw.max_shared_memory_size.min(TILES_SHARED_CAP);
+    let elem_bytes = dtype.size();
+    let bytes = match kernel {
+        TileKernel::Forward => shared_bytes,
+        TileKernel::Dq => dq_shared_bytes,
+        TileKernel::DkDv => dkdv_shared_bytes,
+    };
+    let planes = [4, 2, 1]
+        .into_iter()
+        .find(|&p| bytes(p, head_dim, elem_bytes) <= budget)?;
+    Some((planes, plane_dim, has_cmma))
+}
+
 /// Flash-attention forward on a CubeCL backend: `(out, lse)` with `lse` in f32.
 pub(crate) fn forward<B, R>(
     q: CubeTensor<R>,
@@ -57,6 +118,33 @@ where
     let out = output(&q, Shape::new([b, h, sq, d]), dtype);
     let lse = output(&q, Shape::new([b, h, sq]), DType::F32);
     let client = q.client.clone();
+    if let Some((planes, plane_dim, use_cmma)) = tiles_plan(&client, TileKernel::Forward, dtype, d)
+    {
+        TILED_LAUNCHES[0].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        flash_fwd_tiles_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(sq.div_ceil(planes * FRAG) as u32, (b * h) as u32, 1),
+            CubeDim::new_2d(plane_dim as u32, planes as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            mask.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            sq as u32,
+            sk as u32,
+            h as u32,
+            1.0 / (d as f32).sqrt(),
+            d,
+            planes,
+            plane_dim,
+            causal,
+            has_mask,
+            use_cmma,
+            dtype.into(),
+        );
+        return (out, lse);
+    }
     let count = CubeCount::Static(sq.div_ceil(BLOCK_Q) as u32, (b * h) as u32, 1);
     flash_fwd_kernel::launch::<R>(
         &client,
@@ -124,54 +212,111 @@ where
     let dv = output(&q, Shape::new([b, h, sk, d]), dtype);
     let client = q.client.clone();
     let scale = 1.0 / (d as f32).sqrt();
-    flash_dq_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(sq.div_ceil(BLOCK_Q) as u32, (b * h) as u32, 1),
-        CubeDim::new_1d(BLOCK_Q as u32),
-        q.clone().into_tensor_arg(),
-        k.clone().into_tensor_arg(),
-        v.clone().into_tensor_arg(),
-        dout.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
-        mask.clone().into_tensor_arg(),
-        dq.clone().into_tensor_arg(),
-        sq as u32,
-        sk as u32,
-        h as u32,
-        scale,
-        d,
-        BLOCK_Q,
-        block_k(d),
-        causal,
-        has_mask,
-        dtype.into(),
-    );
-    // Roles swap: 32 key rows per cube (one thread each), query tiles of `block_k(d)` rows
-    // streamed through the same 16 KiB of shared memory.
-    flash_dkdv_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(sk.div_ceil(BLOCK_Q) as u32, (b * h) as u32, 1),
-        CubeDim::new_1d(BLOCK_Q as u32),
-        q.into_tensor_arg(),
-        k.into_tensor_arg(),
-        v.into_tensor_arg(),
-        dout.into_tensor_arg(),
-        lse.into_tensor_arg(),
-        delta.into_tensor_arg(),
-        mask.into_tensor_arg(),
-        dk.clone().into_tensor_arg(),
-        dv.clone().into_tensor_arg(),
-        sq as u32,
-        sk as u32,
-        h as u32,
-        scale,
-        d,
-        BLOCK_Q,
-        block_k(d),
-        causal,
-        has_mask,
-        dtype.into(),
-    );
+    if let Some((planes, plane_dim, use_cmma)) = tiles_plan(&client, TileKernel::Dq, dtype, d) {
+        TILED_LAUNCHES[1].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        flash_dq_tiles_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(sq.div_ceil(planes * FRAG) as u32, (b * h) as u32, 1),
+            CubeDim::new_2d(plane_dim as u32, planes as u32),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            mask.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            sq as u32,
+            sk as u32,
+            h as u32,
+            scale,
+            d,
+            planes,
+            plane_dim,
+            causal,
+            has_mask,
+            use_cmma,
+            dtype.into(),
+        );
+    } else {
+        flash_dq_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(sq.div_ceil(BLOCK_Q) as u32, (b * h) as u32, 1),
+            CubeDim::new_1d(BLOCK_Q as u32),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            mask.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            sq as u32,
+            sk as u32,
+            h as u32,
+            scale,
+            d,
+            BLOCK_Q,
+            block_k(d),
+            causal,
+            has_mask,
+            dtype.into(),
+        );
+    }
+    if let Some((planes, plane_dim, use_cmma)) = tiles_plan(&client, TileKernel::DkDv, dtype, d) {
+        TILED_LAUNCHES[2].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        flash_dkdv_tiles_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(sk.div_ceil(planes * FRAG) as u32, (b * h) as u32, 1),
+            CubeDim::new_2d(plane_dim as u32, planes as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            mask.into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            sq as u32,
+            sk as u32,
+            h as u32,
+            scale,
+            d,
+            planes,
+            plane_dim,
+            causal,
+            has_mask,
+            use_cmma,
+            dtype.into(),
+        );
+    } else {
+        // Roles swap: 32 key rows per cube (one thread each), query tiles of `block_k(d)` rows
+        // streamed through the same 16 KiB of shared memory.
+        flash_dkdv_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(sk.div_ceil(BLOCK_Q) as u32, (b * h) as u32, 1),
+            CubeDim::new_1d(BLOCK_Q as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            mask.into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            sq as u32,
+            sk as u32,
+            h as u32,
+            scale,
+            d,
+            BLOCK_Q,
+            block_k(d),
+            causal,
+            has_mask,
+            dtype.into(),
+        );
+    }
     (dq, dk, dv)
 }

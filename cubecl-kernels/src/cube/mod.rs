@@ -3,18 +3,23 @@
 //! The kernels are portable (plain shared memory and registers, f32 accumulation) so that
 //! they run on every CubeCL runtime, Mesa's software Vulkan device included. The MLP and the
 //! linear cross-entropy run their matmuls through Burn's own (CubeCL's tiled matmul, which
-//! can pick tensor-core kernels on CUDA) and fuse everything around them; attention is one
-//! kernel of its own.
+//! can pick tensor-core kernels on CUDA) and fuse everything around them. Attention has
+//! kernels of its own: a portable one (one thread per query row), and for f16/bf16 on devices
+//! with tensor cores tile kernels (forward and backward) whose matrix products are 16×16×16
+//! `cmma` fragments (see [`AttentionKernel`]).
 
 mod attention;
 mod cross_entropy;
 mod flash_bwd;
+mod flash_bwd_tiles;
 mod flash_fwd;
+mod flash_fwd_tiles;
 mod linear_ce;
 mod linear_gelu;
 mod mlp;
+mod tiles;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 use burn::tensor::ops::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape};
@@ -28,6 +33,92 @@ use crate::FusedOps;
 pub use linear_ce::{linear_ce_piece, set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK};
 
 static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
+
+/// Which kernels compute flash attention on CubeCL backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// Tensor-core tile kernels where the device has 16×16×16 fragments of the input type
+    /// with f32 accumulation (f16/bf16 on CUDA) and the head dimension is a multiple of 16;
+    /// the portable scalar kernels everywhere else. The default.
+    Auto,
+    /// Always the portable scalar kernels (one thread per query or key row).
+    Scalar,
+    /// The tile kernels wherever the head dimension and shared memory allow, their fragment
+    /// products on tensor cores where the device has them and computed by the plane's lanes
+    /// elsewhere: the way to test the tile kernels' softmax, masking, staging and
+    /// accumulation on devices without tensor cores. Slow there; not meant for training.
+    Tiles,
+}
+
+static ATTENTION_KERNEL: AtomicU8 = AtomicU8::new(0);
+/// Launches of the tile forward, dQ and dK/dV kernels, in that order.
+pub(crate) static TILED_LAUNCHES: [AtomicUsize; 3] = [
+    AtomicUsize::new(0),
+    AtomicUsize::new(0),
+    AtomicUsize::new(0),
+];
+
+/// Chooses the flash-attention kernels for the whole process (default
+/// [`AttentionKernel::Auto`]); for tests and for comparing the kernels in benchmarks.
+pub fn set_attention_kernel(choice: AttentionKernel) {
+    let code = match choice {
+        AttentionKernel::Auto => 0,
+        AttentionKernel::Scalar => 1,
+        AttentionKernel::Tiles => 2,
+    };
+    ATTENTION_KERNEL.store(code, Ordering::SeqCst);
+}
+
+/// The current [`set_attention_kernel`] choice.
+pub fn attention_kernel() -> AttentionKernel {
+    match ATTENTION_KERNEL.load(Ordering::SeqCst) {
+        1 => AttentionKernel::Scalar,
+        2 => AttentionKernel::Tiles,
+        _ => AttentionKernel::Auto,
+    }
+}
+
+/// How many times each tile kernel ran in this process, so tests and benchmarks can tell
+/// which kernels they measured instead of assuming it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TiledLaunches {
+    /// Tile forward launches.
+    pub forward: usize,
+    /// Tile dQ launches (backward).
+    pub dq: usize,
+    /// Tile dK/dV launches (backward).
+    pub dkdv: usize,
+}
+
+/// The tile kernels' launch counts so far.
+pub fn tiled_launches() -> TiledLaunches {
+    let n = |i: usize| TILED_LAUNCHES[i].load(Ordering::SeqCst);
+    TiledLaunches {
+        forward: n(0),
+        dq: n(1),
+        dkdv: n(2),
+    }
+}
+
+/// Whether flash attention on `device` (forward and both backward kernels) would run on
+/// tensor cores for inputs of `dtype` with head dimension `head_dim`, under the current
+/// [`set_attention_kernel`] choice.
+pub fn attention_uses_tensor_cores<R: CubeRuntime>(
+    device: &R::Device,
+    dtype: DType,
+    head_dim: usize,
+) -> bool {
+    use attention::{tiles_plan, TileKernel};
+    let client = R::client(device);
+    [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv]
+        .into_iter()
+        .all(|kernel| {
+            matches!(
+                tiles_plan(&client, kernel, dtype, head_dim),
+                Some((_, _, true))
+            )
+        })
+}
 
 /// Test hook: when on, every kernel output buffer is filled with NaN before the launch, so
 /// an element a kernel forgets to write shows up as NaN instead of as stale memory that

@@ -348,3 +348,24 @@ pub fn check_linear_ce_dtype<B: FusedOps>(
         assert_close(&format!("{label}: dw"), &gw, &dw, tol);
     }
 }
+
+/// Mesa's CPU Vulkan adapter (lavapipe) with output poisoning on, after proving it computes;
+/// panics with install instructions otherwise, so the wgpu kernel tests fail instead of
+/// skipping on a machine without it.
+#[cfg(feature = "wgpu")]
+pub fn wgpu_cpu_device() -> burn::backend::wgpu::WgpuDevice {
+    use burn::backend::wgpu::{Wgpu, WgpuDevice};
+    cubecl_kernels::cube::set_poison_outputs(true);
+    let probe = std::panic::catch_unwind(|| {
+        let t =
+            Tensor::<Wgpu, 1>::from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &WgpuDevice::Cpu);
+        t.sum().into_data().to_vec::<f32>()
+    });
+    match probe {
+        Ok(Ok(v)) if v == [3.0] => WgpuDevice::Cpu,
+        other => panic!(
+            "no working CPU Vulkan adapter for the wgpu kernel tests ({other:?}); install Mesa's \
+             software Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1"
+        ),
+    }
+}

@@ -1,0 +1,403 @@
+//! FlashAttention-2 backward on tensor cores (CubeCL `cmma`), the tile counterpart of
+//! [`super::flash_bwd`]: the same split into a dQ kernel (each plane owns 16 query rows,
+//! key/value tiles streamed) and a dK/dV kernel (each plane owns 16 key rows, query/output-
+//! gradient tiles streamed), so every output row has one owner and no atomics are needed.
+//!
+//! Per 16×16 block a plane recomputes the scores and `dP = dO·Vᵀ` as fragment products,
+//! forms `P = exp(scale·S − lse)` and `dS = P ∘ (dP − Δ)` with its lanes (rounded to the input
+//! type, as the products' operands), and accumulates `dQ += dS·K`, or `dV += Pᵀ·dO` and
+//! `dK += dSᵀ·Q`, into f32 blocks in shared memory. With `use_cmma = false` the products are
+//! computed by the lanes from the same operands (see [`super::tiles`]).
+
+use cubecl::prelude::*;
+
+use super::flash_fwd::visible;
+use super::tiles::{block_product, stage_rows, stage_values, ALIGN, FRAG, ONE_STEP};
+
+/// Shared memory the dQ kernel declares, in bytes, for `planes` planes.
+pub(crate) fn dq_shared_bytes(planes: usize, head_dim: usize, elem_bytes: usize) -> usize {
+    let halves = (2 * planes + 2) * FRAG * head_dim + planes * FRAG * FRAG;
+    let floats = 2 * planes * FRAG * FRAG + planes * FRAG * head_dim + 2 * planes * FRAG;
+    halves * elem_bytes + floats * 4 + 10 * ALIGN
+}
+
+/// Shared memory the dK/dV kernel declares, in bytes, for `planes` planes.
+pub(crate) fn dkdv_shared_bytes(planes: usize, head_dim: usize, elem_bytes: usize) -> usize {
+    let halves = (2 * planes + 2) * FRAG * head_dim + 2 * planes * FRAG * FRAG;
+    let floats = 2 * planes * FRAG * FRAG + 2 * planes * FRAG * head_dim + 2 * FRAG;
+    halves * elem_bytes + floats * 4 + 12 * ALIGN
+}
+
+/// dQ kernel: inputs contiguous `[batch, heads, seq, head_dim]`, `lse` and `delta` f32
+/// `[batch, heads, seq_q]`, mask f32 `[batch, seq_k]` (1.0 = padded). Launch with
+/// `CubeDim::new_2d(plane_dim, planes)`, one cube per `planes·16` query rows and batch·head.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_dq_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    mask: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    seq_q: u32,
+    seq_k: u32,
+    heads: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] planes: usize,
+    #[comptime] plane_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_mask: bool,
+    #[comptime] use_cmma: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let threads = planes * plane_dim;
+    let block_q = planes * FRAG;
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let bh = CUBE_POS_Y as usize;
+    let batch = bh / heads as usize;
+    let q0 = CUBE_POS_X as usize * block_q;
+    let q_base = bh * seq_q * head_dim;
+    let kv_base = bh * seq_k * head_dim;
+    let own = plane * FRAG * head_dim;
+    let blk = plane * FRAG * FRAG;
+
+    let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
+    let mut do_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
+    let mut k_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut dq_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
+    let mut lse_s = SharedMemory::<f32>::new(block_q);
+    let mut delta_s = SharedMemory::<f32>::new(block_q);
+
+    stage_rows::<F>(
+        q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+    );
+    stage_rows::<F>(
+        dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+    );
+    stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
+    stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, block_q, threads);
+    let mut e = lane;
+    while e < FRAG * head_dim {
+        dq_s[own + e] = 0.0f32;
+        e += plane_dim;
+    }
+    sync_cube();
+
+    let mut kv_end = seq_k;
+    if causal {
+        let last = q0 + block_q;
+        if last < seq_k {
+            kv_end = last;
+        }
+    }
+    #[allow(clippy::manual_div_ceil)]
+    let num_tiles = (kv_end + FRAG - 1) / FRAG;
+    for t in 0..num_tiles {
+        let kv0 = t * FRAG;
+        stage_rows::<F>(
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+        );
+        stage_rows::<F>(
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+        );
+        sync_cube();
+        // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows and this key tile.
+        block_product::<F>(
+            &q_s,
+            own,
+            head_dim,
+            FRAG,
+            &k_s,
+            0usize,
+            head_dim,
+            FRAG,
+            true,
+            &mut s_s,
+            blk,
+            FRAG,
+            head_dim / FRAG,
+            false,
+            plane_dim,
+            use_cmma,
+        );
+        block_product::<F>(
+            &do_s,
+            own,
+            head_dim,
+            FRAG,
+            &v_s,
+            0usize,
+            head_dim,
+            FRAG,
+            true,
+            &mut dp_s,
+            blk,
+            FRAG,
+            head_dim / FRAG,
+            false,
+            plane_dim,
+            use_cmma,
+        );
+        sync_cube();
+        let mut e = lane;
+        while e < FRAG * FRAG {
+            let r = plane * FRAG + e / FRAG;
+            let mut ds = f32::new(0.0);
+            if visible(
+                mask,
+                batch,
+                q0 + r,
+                kv0 + e % FRAG,
+                seq_q,
+                seq_k,
+                causal,
+                has_mask,
+            ) {
+                let p = (s_s[blk + e] * scale - lse_s[r]).exp();
+                ds = p * (dp_s[blk + e] - delta_s[r]);
+            }
+            ds_s[blk + e] = F::cast_from(ds);
+            e += plane_dim;
+        }
+        sync_cube();
+        // dQ += dS·K, one 16-column block of the head dimension at a time.
+        #[unroll]
+        for f in 0..head_dim / FRAG {
+            block_product::<F>(
+                &ds_s,
+                blk,
+                FRAG,
+                FRAG,
+                &k_s,
+                f * FRAG,
+                head_dim,
+                FRAG,
+                false,
+                &mut dq_s,
+                own + f * FRAG,
+                head_dim,
+                ONE_STEP,
+                true,
+                plane_dim,
+                use_cmma,
+            );
+        }
+        // The next tile overwrites k_s / v_s / s_s / dp_s / ds_s.
+        sync_cube();
+    }
+
+    let mut e = lane;
+    while e < FRAG * head_dim {
+        let row = q0 + plane * FRAG + e / head_dim;
+        if row < seq_q {
+            dq[q_base + row * head_dim + e % head_dim] = F::cast_from(dq_s[own + e] * scale);
+        }
+        e += plane_dim;
+    }
+}
+
+/// dK/dV kernel: layouts as [`flash_dq_tiles_kernel`]; one cube per `planes·16` key rows and
+/// batch·head, each plane owning 16 keys.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    mask: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    seq_q: u32,
+    seq_k: u32,
+    heads: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] planes: usize,
+    #[comptime] plane_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_mask: bool,
+    #[comptime] use_cmma: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let threads = planes * plane_dim;
+    let block_k = planes * FRAG;
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let bh = CUBE_POS_Y as usize;
+    let batch = bh / heads as usize;
+    let k0 = CUBE_POS_X as usize * block_k;
+    let q_base = bh * seq_q * head_dim;
+    let kv_base = bh * seq_k * head_dim;
+    let own = plane * FRAG * head_dim;
+    let blk = plane * FRAG * FRAG;
+
+    let mut k_s = SharedMemory::<F>::new_aligned(block_k * head_dim, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(block_k * head_dim, ALIGN);
+    let mut q_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
+    let mut do_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut dk_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
+    let mut dv_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
+    let mut lse_s = SharedMemory::<f32>::new(FRAG);
+    let mut delta_s = SharedMemory::<f32>::new(FRAG);
+
+    stage_rows::<F>(
+        k, &mut k_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
+    );
+    stage_rows::<F>(
+        v, &mut v_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
+    );
+    let mut e = lane;
+    while e < FRAG * head_dim {
+        dk_s[own + e] = 0.0f32;
+        dv_s[own + e] = 0.0f32;
+        e += plane_dim;
+    }
+
+    // Causal: a query row before the cube's first key sees none of its keys, so the query
+    // tiles start at the one holding row `k0` (uniform across the cube).
+    let mut first = 0usize;
+    if causal {
+        first = k0 / FRAG;
+    }
+    #[allow(clippy::manual_div_ceil)]
+    let num_tiles = (seq_q + FRAG - 1) / FRAG;
+    for t in first..num_tiles {
+        let q0 = t * FRAG;
+        // The previous tile's last reads of q_s / do_s / lse_s / delta_s are behind the
+        // barrier that ends it (or, for the first tile, nothing has read them yet).
+        stage_rows::<F>(
+            q, &mut q_s, 0usize, q_base, q0, seq_q, FRAG, head_dim, threads,
+        );
+        stage_rows::<F>(
+            dout, &mut do_s, 0usize, q_base, q0, seq_q, FRAG, head_dim, threads,
+        );
+        stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, FRAG, threads);
+        stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, FRAG, threads);
+        sync_cube();
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's keys and this query tile.
+        block_product::<F>(
+            &k_s,
+            own,
+            head_dim,
+            FRAG,
+            &q_s,
+            0usize,
+            head_dim,
+            FRAG,
+            true,
+            &mut s_s,
+            blk,
+            FRAG,
+            head_dim / FRAG,
+            false,
+            plane_dim,
+            use_cmma,
+        );
+        block_product::<F>(
+            &v_s,
+            own,
+            head_dim,
+            FRAG,
+            &do_s,
+            0usize,
+            head_dim,
+            FRAG,
+            true,
+            &mut dp_s,
+            blk,
+            FRAG,
+            head_dim / FRAG,
+            false,
+            plane_dim,
+            use_cmma,
+        );
+        sync_cube();
+        let mut e = lane;
+        while e < FRAG * FRAG {
+            let i = e % FRAG;
+            let key = k0 + plane * FRAG + e / FRAG;
+            let mut p = f32::new(0.0);
+            let mut ds = f32::new(0.0);
+            if visible(mask, batch, q0 + i, key, seq_q, seq_k, causal, has_mask) {
+                p = (s_s[blk + e] * scale - lse_s[i]).exp();
+                ds = p * (dp_s[blk + e] - delta_s[i]);
+            }
+            p_s[blk + e] = F::cast_from(p);
+            ds_s[blk + e] = F::cast_from(ds);
+            e += plane_dim;
+        }
+        sync_cube();
+        // dV += Pᵀ·dO and dK += dSᵀ·Q, one 16-column block of the head dimension at a time.
+        #[unroll]
+        for f in 0..head_dim / FRAG {
+            block_product::<F>(
+                &p_s,
+                blk,
+                FRAG,
+                FRAG,
+                &do_s,
+                f * FRAG,
+                head_dim,
+                FRAG,
+                false,
+                &mut dv_s,
+                own + f * FRAG,
+                head_dim,
+                ONE_STEP,
+                true,
+                plane_dim,
+                use_cmma,
+            );
+            block_product::<F>(
+                &ds_s,
+                blk,
+                FRAG,
+                FRAG,
+                &q_s,
+                f * FRAG,
+                head_dim,
+                FRAG,
+                false,
+                &mut dk_s,
+                own + f * FRAG,
+                head_dim,
+                ONE_STEP,
+                true,
+                plane_dim,
+                use_cmma,
+            );
+        }
+        sync_cube();
+    }
+
+    let mut e = lane;
+    while e < FRAG * head_dim {
+        let key = k0 + plane * FRAG + e / head_dim;
+        if key < seq_k {
+            let at = kv_base + key * head_dim + e % head_dim;
+            dk[at] = F::cast_from(dk_s[own + e] * scale);
+            dv[at] = F::cast_from(dv_s[own + e]);
+        }
+        e += plane_dim;
+    }
+}

@@ -1,0 +1,242 @@
+//! FlashAttention-2 forward on tensor cores (CubeCL `cmma`), for f16/bf16 inputs with f32
+//! accumulation, head dimension a multiple of 16.
+//!
+//! One cube per (query tile, batch·head); each plane (warp) of the cube owns 16 query rows.
+//! Per 16-key tile the plane computes its scores `S = Q·Kᵀ` as 16×16 matrix products, runs
+//! the online softmax on them row by row, and adds `P·V` to its output block. The output
+//! block lives in shared memory as f32 rather than in accumulator fragments, because the
+//! online softmax must rescale it row by row, which fragments (opaque layouts) cannot do;
+//! each `P·V` product loads the block as its accumulator, adds, and stores it back.
+//! Memory is `O(seq · head_dim)`: no `[seq_q × seq_k]` buffer exists anywhere.
+//!
+//! With `use_cmma = false` the two fragment products are computed by the plane's lanes from
+//! the same shared-memory operands instead. Everything else (staging, masking, the online
+//! softmax, the rescaling, the output) is the same code, so that half of the kernel is tested
+//! on devices without tensor cores (Mesa's CPU Vulkan driver) where `cmma` cannot run.
+
+use cubecl::prelude::*;
+
+use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
+use super::tiles::{block_product, stage_rows, ALIGN, FRAG, ONE_STEP};
+
+/// Shared memory the kernel declares, in bytes, for `planes` planes (the launcher picks the
+/// most planes that fit the device).
+pub(crate) fn shared_bytes(planes: usize, head_dim: usize, elem_bytes: usize) -> usize {
+    let halves = (planes + 2) * FRAG * head_dim + planes * FRAG * FRAG;
+    let floats = planes * FRAG * FRAG + planes * FRAG * head_dim + planes * FRAG;
+    halves * elem_bytes + floats * 4 + 6 * ALIGN
+}
+
+/// Forward kernel; same contract as [`super::flash_fwd::flash_fwd_kernel`]: contiguous
+/// `[batch, heads, seq, head_dim]` inputs, `mask` `[batch, seq_k]` f32 (1.0 = padded key,
+/// read only when `has_mask`), writes `out` (input dtype) and `lse` (f32 `[batch, heads,
+/// seq_q]`). Launch with `CubeDim::new_2d(plane_dim, planes)`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    mask: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    seq_q: u32,
+    seq_k: u32,
+    heads: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] planes: usize,
+    #[comptime] plane_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_mask: bool,
+    #[comptime] use_cmma: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let threads = planes * plane_dim;
+    let block_q = planes * FRAG;
+    // Rows of the plane's 16 that one lane runs the softmax for (several when planes are
+    // narrower than 16 lanes, as on CPU Vulkan drivers).
+    let rows_per_lane = comptime!(FRAG.div_ceil(plane_dim));
+
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let bh = CUBE_POS_Y as usize;
+    let batch = bh / heads as usize;
+    let tile = CUBE_POS_X as usize;
+    let q0 = tile * block_q;
+    let plane_row0 = q0 + plane * FRAG;
+    let q_base = bh * seq_q * head_dim;
+    let kv_base = bh * seq_k * head_dim;
+
+    // Fragment loads and stores need 32-byte aligned addresses (CUDA's wmma); every
+    // fragment offset below is a multiple of 16 elements, so aligned bases suffice.
+    let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
+    let mut k_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut o_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
+    let mut row_s = SharedMemory::<f32>::new(planes * FRAG);
+
+    stage_rows::<F>(
+        q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+    );
+    let o_off = plane * FRAG * head_dim;
+    let mut e = lane;
+    while e < FRAG * head_dim {
+        o_s[o_off + e] = 0.0f32;
+        e += plane_dim;
+    }
+    let mut m = Array::<f32>::new(rows_per_lane);
+    let mut l = Array::<f32>::new(rows_per_lane);
+    for i in 0..rows_per_lane {
+        m[i] = HIDDEN;
+        l[i] = 0.0f32;
+    }
+    sync_cube();
+
+    // Causal: no row of this cube sees keys past its last row; the bound is uniform across
+    // the cube, so the barriers inside the loop stay legal.
+    let mut kv_end = seq_k;
+    if causal {
+        let last = q0 + block_q;
+        if last < seq_k {
+            kv_end = last;
+        }
+    }
+    #[allow(clippy::manual_div_ceil)]
+    let num_tiles = (kv_end + FRAG - 1) / FRAG;
+    let s_off = plane * FRAG * FRAG;
+
+    for t in 0..num_tiles {
+        let kv0 = t * FRAG;
+        stage_rows::<F>(
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+        );
+        stage_rows::<F>(
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+        );
+        sync_cube();
+
+        // S = Q·Kᵀ for the plane's 16 rows (Kᵀ: the staged key rows read column-major).
+        block_product::<F>(
+            &q_s,
+            plane * FRAG * head_dim,
+            head_dim,
+            FRAG,
+            &k_s,
+            0usize,
+            head_dim,
+            FRAG,
+            true,
+            &mut s_s,
+            s_off,
+            FRAG,
+            head_dim / FRAG,
+            false,
+            plane_dim,
+            use_cmma,
+        );
+        sync_cube();
+
+        // Online softmax, one row per lane (or several on narrow planes).
+        for i in 0..rows_per_lane {
+            let r = lane + i * plane_dim;
+            if r < FRAG {
+                let row = plane_row0 + r;
+                let mut tile_max = f32::new(HIDDEN);
+                for c in 0..FRAG {
+                    let mut s = f32::new(HIDDEN);
+                    if visible(mask, batch, row, kv0 + c, seq_q, seq_k, causal, has_mask) {
+                        s = s_s[s_off + r * FRAG + c] * scale;
+                        if s > tile_max {
+                            tile_max = s;
+                        }
+                    }
+                    s_s[s_off + r * FRAG + c] = s;
+                }
+                let m_old = m[i];
+                let m_new = if tile_max > m_old { tile_max } else { m_old };
+                let corr = (m_old - m_new).exp();
+                let mut sum = l[i] * corr;
+                for c in 0..FRAG {
+                    let s = s_s[s_off + r * FRAG + c];
+                    let mut p = f32::new(0.0);
+                    if s > HIDDEN_THRESHOLD {
+                        p = (s - m_new).exp();
+                    }
+                    sum += p;
+                    p_s[s_off + r * FRAG + c] = F::cast_from(p);
+                }
+                m[i] = m_new;
+                l[i] = sum;
+                row_s[plane * FRAG + r] = corr;
+            }
+        }
+        sync_cube();
+
+        // Rescale the output block by each row's correction, then O += P·V fragment by
+        // fragment with the block itself as the accumulator.
+        let mut e = lane;
+        while e < FRAG * head_dim {
+            o_s[o_off + e] *= row_s[plane * FRAG + e / head_dim];
+            e += plane_dim;
+        }
+        sync_cube();
+        #[unroll]
+        for f in 0..head_dim / FRAG {
+            block_product::<F>(
+                &p_s,
+                s_off,
+                FRAG,
+                FRAG,
+                &v_s,
+                f * FRAG,
+                head_dim,
+                FRAG,
+                false,
+                &mut o_s,
+                o_off + f * FRAG,
+                head_dim,
+                ONE_STEP,
+                true,
+                plane_dim,
+                use_cmma,
+            );
+        }
+        // The next tile overwrites k_s / v_s / s_s / p_s: every plane must be done with them.
+        sync_cube();
+    }
+
+    // Each row's 1/l (0 for a row that saw no key, which outputs 0 with the sentinel
+    // log-sum-exp, as the portable kernel does), then the output in the input dtype.
+    for i in 0..rows_per_lane {
+        let r = lane + i * plane_dim;
+        if r < FRAG {
+            let row = plane_row0 + r;
+            let mut inv = f32::new(0.0);
+            let mut row_lse = f32::new(HIDDEN);
+            if l[i] > 0.0f32 {
+                inv = 1.0f32 / l[i];
+                row_lse = m[i] + l[i].ln();
+            }
+            row_s[plane * FRAG + r] = inv;
+            if row < seq_q {
+                lse[bh * seq_q + row] = row_lse;
+            }
+        }
+    }
+    sync_cube();
+    let mut e = lane;
+    while e < FRAG * head_dim {
+        let r = e / head_dim;
+        let row = plane_row0 + r;
+        if row < seq_q {
+            out[q_base + row * head_dim + e % head_dim] =
+                F::cast_from(o_s[o_off + e] * row_s[plane * FRAG + r]);
+        }
+        e += plane_dim;
+    }
+}

@@ -1,0 +1,176 @@
+//! Building blocks of the tile attention kernels (forward and backward): operands staged in
+//! shared memory, and one plane's 16×16 block products, on tensor cores (`cmma`) or, where a
+//! device has none, computed by the plane's lanes from the same operands, so that everything
+//! around the products is tested on devices without tensor cores.
+
+use cubecl::prelude::*;
+
+/// Rows and columns of every matrix fragment (the 16×16×16 shape tensor cores of all vendors
+/// offer for f16/bf16 with f32 accumulation).
+pub(crate) const FRAG: usize = 16;
+
+/// `k_frags` of a product over one 16-wide step of the inner dimension.
+pub(crate) const ONE_STEP: usize = 1;
+
+/// Byte alignment of the shared-memory operands of fragment loads and stores (CUDA's wmma
+/// needs 32 bytes). Every fragment offset the kernels use is a multiple of 16 elements, so
+/// aligned array bases suffice.
+pub(crate) const ALIGN: usize = 32;
+
+/// Copies rows `[row0, row0 + rows)` of a `[.., seq, head_dim]` slab starting at `base` into
+/// `dst` from element `dst_off`, in the input type, zeros past `seq` (padded rows stay finite
+/// and fragment loads never read out of bounds), all threads of the cube cooperating.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_rows<F: Float>(
+    src: &Tensor<F>,
+    dst: &mut SharedMemory<F>,
+    dst_off: usize,
+    base: usize,
+    row0: usize,
+    seq: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] threads: usize,
+) {
+    let mut idx = UNIT_POS as usize;
+    while idx < rows * head_dim {
+        let r = row0 + idx / head_dim;
+        let mut x = F::new(0.0);
+        if r < seq {
+            x = src[base + r * head_dim + idx % head_dim];
+        }
+        dst[dst_off + idx] = x;
+        idx += threads;
+    }
+}
+
+/// Copies `rows` f32 values per row starting at `row0` of a `[.., seq]` vector into `dst`
+/// (zeros past `seq`), all threads of the cube cooperating.
+#[cube]
+pub(crate) fn stage_values(
+    src: &Tensor<f32>,
+    dst: &mut SharedMemory<f32>,
+    base: usize,
+    row0: usize,
+    seq: usize,
+    #[comptime] rows: usize,
+    #[comptime] threads: usize,
+) {
+    let mut idx = UNIT_POS as usize;
+    while idx < rows {
+        let r = row0 + idx;
+        let mut x = f32::new(0.0);
+        if r < seq {
+            x = src[base + r];
+        }
+        dst[idx] = x;
+        idx += threads;
+    }
+}
+
+/// One plane's 16×16 block `C (=|+=) Σₖ Aₖ·Bₖ` over `k_frags` 16-wide steps of the inner
+/// dimension. `A` is row-major with row stride `a_stride`, its k-th fragment at
+/// `a_off + k·a_step`; `B`'s k-th fragment is at `b_off + k·b_step`, row-major (`[k][n]`) or,
+/// with `b_col_major`, stored as `[n][k]` rows (a transposed operand read in place). `C` is
+/// f32, row-major with row stride `c_stride` at `c_off`; with `accumulate` it is added to.
+/// Every lane of the plane must call it (the fragment operations are plane-wide).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_product<F: Float>(
+    a: &SharedMemory<F>,
+    a_off: usize,
+    #[comptime] a_stride: usize,
+    #[comptime] a_step: usize,
+    b: &SharedMemory<F>,
+    b_off: usize,
+    #[comptime] b_stride: usize,
+    #[comptime] b_step: usize,
+    #[comptime] b_col_major: bool,
+    c: &mut SharedMemory<f32>,
+    c_off: usize,
+    #[comptime] c_stride: usize,
+    #[comptime] k_frags: usize,
+    #[comptime] accumulate: bool,
+    #[comptime] plane_dim: usize,
+    #[comptime] use_cmma: bool,
+) {
+    if use_cmma {
+        let acc = unsafe {
+            cmma::Matrix::<f32>::uninitialized(
+                cmma::MatrixIdent::Accumulator,
+                FRAG,
+                FRAG,
+                FRAG,
+                cmma::MatrixLayout::Undefined,
+            )
+        };
+        if accumulate {
+            cmma::load_with_layout(
+                &acc,
+                &c.slice(c_off, c.len()),
+                c_stride as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+        } else {
+            cmma::fill(&acc, 0.0f32);
+        }
+        let b_layout = if b_col_major {
+            cmma::MatrixLayout::ColMajor
+        } else {
+            cmma::MatrixLayout::RowMajor
+        };
+        #[unroll]
+        for kk in 0..k_frags {
+            let fa = cmma::Matrix::<F>::from_slice(
+                cmma::MatrixIdent::A,
+                FRAG,
+                FRAG,
+                FRAG,
+                cmma::MatrixLayout::RowMajor,
+                &a.slice(a_off + kk * a_step, a.len()),
+                a_stride as u32,
+            );
+            let fb = cmma::Matrix::<F>::from_slice(
+                cmma::MatrixIdent::B,
+                FRAG,
+                FRAG,
+                FRAG,
+                b_layout,
+                &b.slice(b_off + kk * b_step, b.len()),
+                b_stride as u32,
+            );
+            cmma::execute::<F, F, f32, f32>(&fa, &fb, &acc, &acc);
+        }
+        cmma::store(
+            &mut c.slice_mut(c_off, c.len()),
+            &acc,
+            c_stride as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+    } else {
+        let mut e = UNIT_POS_X as usize;
+        while e < FRAG * FRAG {
+            let r = e / FRAG;
+            let col = e % FRAG;
+            let mut sum = f32::new(0.0);
+            if accumulate {
+                sum = c[c_off + r * c_stride + col];
+            }
+            for kk in 0..k_frags {
+                let a0 = a_off + kk * a_step + r * a_stride;
+                let b0 = b_off + kk * b_step;
+                for x in 0..FRAG {
+                    let bv = if b_col_major {
+                        b[b0 + col * b_stride + x]
+                    } else {
+                        b[b0 + x * b_stride + col]
+                    };
+                    sum += f32::cast_from(a[a0 + x]) * f32::cast_from(bv);
+                }
+            }
+            c[c_off + r * c_stride + col] = sum;
+            e += plane_dim;
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! The tile flash-attention kernels (the tensor-core kernels' algorithm, forward and backward)
+//! on lavapipe, which has no tensor cores: with `AttentionKernel::Tiles` their fragment
+//! products are computed by the plane's lanes, and everything around them (staging, masking,
+//! the online softmax, the rescaling of the output block, the log-sum-exp, the recomputed
+//! probabilities and `dS`, the gradient accumulation) is checked against the float64 oracle.
+//! Its own test binary, because the kernel choice is process-wide and must not change what
+//! the other kernel tests run.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use burn::backend::wgpu::{Wgpu, WgpuRuntime};
+use burn::tensor::backend::Backend;
+use burn::tensor::DType;
+use common::{attn_case, check_attention_dtype, wgpu_cpu_device, Rng};
+use cubecl_kernels::cube::{
+    attention_uses_tensor_cores, set_attention_kernel, tiled_launches, AttentionKernel,
+};
+
+#[test]
+fn tiled_attention_matches_f64_oracle() {
+    let dev = wgpu_cpu_device();
+    // The default keeps the portable kernel on a device without tensor cores...
+    set_attention_kernel(AttentionKernel::Auto);
+    assert!(!attention_uses_tensor_cores::<WgpuRuntime>(
+        &dev,
+        DType::F16,
+        64
+    ));
+    // ...and the forced tile kernel computes its products with the lanes there.
+    set_attention_kernel(AttentionKernel::Tiles);
+    assert!(
+        !attention_uses_tensor_cores::<WgpuRuntime>(&dev, DType::F16, 64),
+        "lavapipe reports tensor cores: this test would not exercise the lane-computed products"
+    );
+    let mut rng = Rng::fresh("wgpu tiled attention");
+    // [batch, heads, seq_q, seq_k, head_dim]: lengths on, below and above the 16-row plane
+    // block and the 16-key tile, causal with seq_q != seq_k, masks, every head dim the f32
+    // tile fits in 32 KiB of shared memory.
+    let mut cases = vec![
+        (DType::F32, [1, 1, 1, 1, 16], false, false),
+        (DType::F32, [2, 2, 33, 33, 16], true, false),
+        (DType::F32, [1, 3, 45, 70, 32], false, true),
+        (DType::F32, [2, 1, 64, 64, 64], true, true),
+        (DType::F32, [1, 2, 31, 17, 48], true, true),
+        (DType::F32, [1, 1, 70, 50, 32], true, false),
+    ];
+    if <Wgpu as Backend>::supports_dtype(&dev, DType::F16) {
+        // Half inputs: P and dS are rounded to f16 before their products, as on tensor
+        // cores. Head dim 128 fits only in half precision, and its dK/dV kernel (two f32
+        // accumulators) not in lavapipe's 32 KiB: that one falls back to the scalar kernel.
+        cases.push((DType::F16, [1, 2, 21, 40, 32], true, true));
+        cases.push((DType::F16, [1, 1, 37, 29, 128], true, true));
+    }
+    for (dtype, shape, causal, masked) in cases {
+        let before = tiled_launches();
+        let c = attn_case(&mut rng, shape, causal, masked);
+        let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+        check_attention_dtype::<Wgpu>(&dev, &mut rng, &c, dtype, tol);
+        let after = tiled_launches();
+        let label = format!("{dtype:?} {shape:?}");
+        assert!(
+            after.forward > before.forward,
+            "{label}: forward not on the tile kernel"
+        );
+        assert!(after.dq > before.dq, "{label}: dQ not on the tile kernel");
+        if shape[4] <= 64 {
+            assert!(
+                after.dkdv > before.dkdv,
+                "{label}: dK/dV not on the tile kernel"
+            );
+        }
+    }
+}
