@@ -39,6 +39,7 @@ mod bench {
     use burn::tensor::module::attention;
     use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::{activation, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
+    use cubecl_kernels::cube::{set_attention_kernel, tiled_launches, AttentionKernel};
     use cubecl_kernels::{memory, reference};
 
     #[cfg(feature = "cuda")]
@@ -254,6 +255,50 @@ mod bench {
         }
     }
 
+    /// Attention under the default kernel choice (tensor-core tiles where the device has
+    /// them) against the portable scalar kernels forced: the forward alone and forward +
+    /// backward, in milliseconds, and which kernels the default actually ran.
+    fn attention_kernels_ms(device: &Device, inputs: &OpInputs, reps: usize) -> serde_json::Value {
+        let OpInputs::Attention([q, k, v]) = inputs else {
+            unreachable!("attention inputs")
+        };
+        let forward = || {
+            let _ = cubecl_kernels::flash_attention(q.clone(), k.clone(), v.clone(), None, true)
+                .expect("attention shapes");
+        };
+        set_attention_kernel(AttentionKernel::Scalar);
+        let fwd_scalar = time_ms(device, reps, forward);
+        let fwd_bwd_scalar = time_ms(device, reps, || fwd_bwd(inputs, true));
+        set_attention_kernel(AttentionKernel::Auto);
+        let before = tiled_launches();
+        let fwd_default = time_ms(device, reps, forward);
+        let fwd_bwd_default = time_ms(device, reps, || fwd_bwd(inputs, true));
+        let after = tiled_launches();
+        let name = |tiles: bool| {
+            if tiles {
+                "tensor-core tiles"
+            } else {
+                "portable scalar"
+            }
+        };
+        let kernels = format!(
+            "forward {}, dQ {}, dK/dV {}",
+            name(after.forward > before.forward),
+            name(after.dq > before.dq),
+            name(after.dkdv > before.dkdv)
+        );
+        eprintln!(
+            "attention default kernels ({kernels}): fwd {fwd_default:.3} ms, fwd+bwd \
+             {fwd_bwd_default:.3} ms; portable scalar: fwd {fwd_scalar:.3} ms, fwd+bwd \
+             {fwd_bwd_scalar:.3} ms"
+        );
+        serde_json::json!({
+            "default_kernels": kernels,
+            "fwd": { "default": fwd_default, "scalar": fwd_scalar },
+            "fwd_bwd": { "default": fwd_bwd_default, "scalar": fwd_bwd_scalar },
+        })
+    }
+
     /// The MLP's first linear + bias + GELU forward alone (what PyTorch's cuBLAS matmul plus a
     /// separate epilogue is compared with), fused and Burn's, in milliseconds.
     fn mlp_forward_ms(device: &Device, s: &Shapes, half: DType) -> (f64, f64) {
@@ -459,6 +504,11 @@ mod bench {
             serde_json::json!({ "fused": fused, "burn": burn })
         };
         let attn = time_op(Op::Attention, shapes.reps);
+        let attn_kernels = attention_kernels_ms(
+            &device,
+            &op_inputs(Op::Attention, &device, shapes, half),
+            shapes.reps,
+        );
         let (mlp_fused_fwd, mlp_burn_fwd) = mlp_forward_ms(&device, shapes, half);
         eprintln!("mlp fwd: fused {mlp_fused_fwd:.3} ms, Burn {mlp_burn_fwd:.3} ms");
         let mlp = time_op(Op::Mlp, shapes.reps);
@@ -479,6 +529,7 @@ mod bench {
             "mlp_shape": shapes.mlp,
             "ce_shape": shapes.ce,
             "attn_fwd_bwd_ms": attn,
+            "attn_kernels_ms": attn_kernels,
             "mlp_fwd_ms": { "fused": mlp_fused_fwd, "burn": mlp_burn_fwd },
             "mlp_fwd_bwd_ms": mlp,
             "ce_fwd_bwd_ms": ce,

@@ -90,12 +90,15 @@ q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dt, requires_grad=True) for
 def attn():
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+def attn_fwd():
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
 rows_, din, dout = ours["mlp_shape"]
 x = torch.randn(rows_, din, device=dev, dtype=dt)
 w = torch.randn(din, dout, device=dev, dtype=dt)
 bias = torch.randn(dout, device=dev, dtype=dt)
 mlp = lambda: F.gelu(x @ w + bias)
-torch_attn, torch_mlp = ms(attn), ms(mlp)
+torch_attn, torch_attn_fwd, torch_mlp = ms(attn), ms(attn_fwd), ms(mlp)
 print(f"\nshapes: attention {ours['attn_shape']} causal, MLP {ours['mlp_shape']}, {ours['dtype']}; "
       f"head cross-entropy {ours['ce_shape']} f32")
 print()
@@ -109,6 +112,13 @@ for name, t, o, goal in [
     verdict = "met" if ratio >= goal else "NOT met"
     print(f"| {name} | {t:.3f} | {o['burn']:.3f} | {o['fused']:.3f} | {ratio:.2f}x | "
           f"{o['burn'] / o['fused']:.2f}x | >= {goal}x: {verdict} |")
+o = ours["attn_kernels_ms"]
+print(f"| attention fwd, default kernels ({o['default_kernels']}) | {torch_attn_fwd:.3f} | - | "
+      f"{o['fwd']['default']:.3f} | {torch_attn_fwd / o['fwd']['default']:.2f}x | - | - |")
+print(f"| attention fwd, portable scalar kernel | {torch_attn_fwd:.3f} | - | {o['fwd']['scalar']:.3f} | "
+      f"{torch_attn_fwd / o['fwd']['scalar']:.2f}x | - | - |")
+print(f"| attention fwd+bwd, portable scalar kernels | {torch_attn:.3f} | - | {o['fwd_bwd']['scalar']:.3f} | "
+      f"{torch_attn / o['fwd_bwd']['scalar']:.2f}x | - | - |")
 o = ours["mlp_fwd_bwd_ms"]
 print(f"| matmul+bias+GELU fwd+bwd | - | {o['burn']:.3f} | {o['fused']:.3f} | - | {o['burn'] / o['fused']:.2f}x | - |")
 o = ours["ce_fwd_bwd_ms"]
