@@ -1,7 +1,9 @@
 //! [`LocalComm`]: ranks are threads of one process, each with its own Burn device.
 //!
 //! Tensors travel as host data through the [`Mailbox`] layer: a tensor leaves its device on
-//! the sending thread and is rebuilt on the receiving rank's device. Collectives are built from
+//! the sending thread and is rebuilt on the receiving rank's device. Point-to-point tensors
+//! between ranks on the same device skip the host: the tensor itself is handed over
+//! ([`CommConfig::same_device_handoff`]). Collectives are built from
 //! one exchange round each; reductions happen on the host in group-rank order (see
 //! [`host`]), which is what makes them deterministic.
 
@@ -14,7 +16,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::host::{self, HostBuf};
-use super::mailbox::{Envelope, Mailbox, Payload, Shared, Stream};
+use super::mailbox::{Envelope, Handoff, Mailbox, Payload, Shared, Stream};
 use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
 
 /// A rank of a world whose ranks are threads of this process.
@@ -27,6 +29,8 @@ use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, Reduce
 pub struct LocalComm<B: Backend> {
     grid: RankGrid,
     device: B::Device,
+    /// Every rank's device, by world rank (which peers share this rank's device).
+    devices: Arc<[B::Device]>,
     config: CommConfig,
     mbox: Mailbox,
 }
@@ -72,12 +76,14 @@ impl<B: Backend> LocalComm<B> {
     }
 
     fn build(grid: RankGrid, devices: Vec<B::Device>, config: CommConfig) -> Vec<Self> {
+        let all: Arc<[B::Device]> = devices.clone().into();
         Mailbox::world(grid.world_size(), config)
             .into_iter()
             .zip(devices)
             .map(|(mbox, device)| LocalComm {
                 grid,
                 device,
+                devices: Arc::clone(&all),
                 config,
                 mbox,
             })
@@ -303,18 +309,23 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
                 ),
             ));
         }
-        let data = self.read(tensor, action)?;
-        if !data.dtype.is_float() {
-            return Err(
-                self.data_error(action, format!("expected float data, got {:?}", data.dtype))
-            );
-        }
+        let payload = if self.config.same_device_handoff && self.devices[peer] == self.device {
+            Payload::Handoff(Handoff::new(tensor))
+        } else {
+            let data = self.read(tensor, action)?;
+            if !data.dtype.is_float() {
+                return Err(
+                    self.data_error(action, format!("expected float data, got {:?}", data.dtype))
+                );
+            }
+            Payload::Tensor(data)
+        };
         let env = Envelope {
             src: self.mbox.rank(),
             stream: Stream::P2p(tag),
             seq: 0,
             op: action,
-            payload: Payload::Tensor(data),
+            payload,
         };
         self.mbox.post(peer, env, &shape)
     }
@@ -339,13 +350,29 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         let env = self
             .mbox
             .wait(peer, Stream::P2p(tag), action, &shape, Instant::now())?;
-        let Payload::Tensor(data) = env.payload else {
-            return Err(self.data_error(action, format!("rank {peer} sent no tensor")));
-        };
-        if data.shape.as_slice() != shape.as_slice() {
-            return Err(self.shape_mismatch(peer, action, &shape, data.shape.as_slice()));
+        match env.payload {
+            Payload::Tensor(data) => {
+                if data.shape.as_slice() != shape.as_slice() {
+                    return Err(self.shape_mismatch(peer, action, &shape, data.shape.as_slice()));
+                }
+                Ok(self.build_tensor(data))
+            }
+            Payload::Handoff(cell) => {
+                let tensor = cell.take::<Tensor<B, D>>().ok_or_else(|| {
+                    self.data_error(
+                        action,
+                        format!(
+                            "rank {peer} sent a tensor with another number of dimensions than {D}"
+                        ),
+                    )
+                })?;
+                if tensor.dims() != shape {
+                    return Err(self.shape_mismatch(peer, action, &shape, &tensor.dims()));
+                }
+                Ok(tensor)
+            }
+            _ => Err(self.data_error(action, format!("rank {peer} sent no tensor"))),
         }
-        Ok(self.build_tensor(data))
     }
 
     fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError> {

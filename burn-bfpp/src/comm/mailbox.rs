@@ -7,8 +7,10 @@
 //! pipeline transfers and collectives interleave freely. Waits poll in short slices so that an
 //! abort or an exited peer is noticed within one poll interval.
 
+use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -106,11 +108,41 @@ pub(crate) enum Stream {
     Collective(Group),
 }
 
+/// A point-to-point tensor handed over as it is (sender and receiver share a device): the
+/// backend's `Tensor<B, D>`, boxed because the message layer is backend-agnostic, taken once
+/// by the receiver.
+#[derive(Clone)]
+pub(crate) struct Handoff(Arc<Mutex<Option<Box<dyn Any + Send>>>>);
+
+impl Handoff {
+    pub(crate) fn new<T: Any + Send>(value: T) -> Self {
+        Handoff(Arc::new(Mutex::new(Some(Box::new(value)))))
+    }
+
+    /// The value, if it is a `T` and was not taken before.
+    pub(crate) fn take<T: Any>(&self) -> Option<T> {
+        let boxed = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()?;
+        boxed.downcast::<T>().ok().map(|b| *b)
+    }
+}
+
+impl fmt::Debug for Handoff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Handoff(..)")
+    }
+}
+
 /// What a message carries.
 #[derive(Debug, Clone)]
 pub(crate) enum Payload {
-    /// A point-to-point tensor, moved to its single receiver.
+    /// A point-to-point tensor as host data, moved to its single receiver.
     Tensor(TensorData),
+    /// A point-to-point tensor left on the device both ranks share.
+    Handoff(Handoff),
     /// A collective contribution, shared by all receivers.
     Shared(Arc<HostBuf>),
     /// No data (barriers, non-root broadcast members never send).

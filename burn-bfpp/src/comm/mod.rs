@@ -159,6 +159,13 @@ pub struct CommConfig {
     /// How often a waiting rank wakes up to look for an abort or a departed peer. Bounds how
     /// quickly failures propagate; default 10 ms.
     pub poll_interval: Duration,
+    /// Whether point-to-point tensors between ranks that compute on the same device (threads
+    /// of one process) are handed over as they are instead of through host memory. Default
+    /// on: on a GPU shared by several pipeline stages this removes a device-to-host and a
+    /// host-to-device copy, and a host synchronisation, per transfer. Burn tensors are
+    /// immutable values, so sharing one is safe; CubeCL orders the receiver's work after the
+    /// sender's on its own. Off only to exercise the host path on one device (tests).
+    pub same_device_handoff: bool,
 }
 
 impl Default for CommConfig {
@@ -166,6 +173,7 @@ impl Default for CommConfig {
         CommConfig {
             timeout: Duration::from_secs(300),
             poll_interval: Duration::from_millis(10),
+            same_device_handoff: true,
         }
     }
 }
@@ -309,7 +317,9 @@ pub fn check_distinct_devices<Id: PartialEq + fmt::Display>(
 ///
 /// Every call blocks at most [`CommConfig::timeout`]; any error is fatal for the whole world
 /// (see the [module docs](self)). Tensors cross ranks as host data and are rebuilt on the
-/// receiving rank's [`device`](Communicator::device) with the sender's float dtype.
+/// receiving rank's [`device`](Communicator::device) with the sender's float dtype, except
+/// point-to-point tensors between threads on one device, which are handed over as they are
+/// (see [`CommConfig::same_device_handoff`]).
 pub trait Communicator<B: Backend> {
     /// The grid this rank belongs to.
     fn grid(&self) -> RankGrid;

@@ -57,11 +57,12 @@ fn grid_layout_is_dp_major() {
     assert!(LocalComm::<B>::create_with_devices(grid, devices, CommConfig::default()).is_err());
 }
 
-#[test]
-fn send_recv_3d_tensor_and_tags_out_of_order() {
+/// Sends a 3-D tensor and a 1-D one with two tags; the receiver takes them in the other
+/// order. Returns what rank 1 received, flattened.
+fn send_recv_3d_and_tags_out_of_order(comms: Vec<LocalComm<B>>) -> Vec<f32> {
     let shape = [2, 3, 4];
     let expected: Vec<f32> = (0..24).map(|i| i as f32 - 7.25).collect();
-    let got = run(2, 1, |comm| {
+    let got = run_ranks(comms, |comm| -> Result<Vec<f32>, CommError> {
         let device = *comm.device();
         if comm.rank() == 0 {
             let t: Tensor<B, 3> = tensor1(expected.clone(), &device).reshape(shape);
@@ -77,9 +78,56 @@ fn send_recv_3d_tensor_and_tags_out_of_order() {
             out.extend(values(big));
             Ok(out)
         }
-    });
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(got[1][0], 42.0);
     assert_eq!(got[1][1..], expected[..]);
+    got[1].clone()
+}
+
+#[test]
+fn send_recv_3d_tensor_and_tags_out_of_order() {
+    let grid = RankGrid::new(2, 1).unwrap();
+    // Both ranks on Flex's one device: tensors are handed over (the default) or, with the
+    // handoff off, go through host memory; the receiver must see the same values.
+    let handed = send_recv_3d_and_tags_out_of_order(LocalComm::create(grid, CommConfig::default()));
+    let config = CommConfig {
+        same_device_handoff: false,
+        ..CommConfig::default()
+    };
+    let hosted = send_recv_3d_and_tags_out_of_order(LocalComm::create(grid, config));
+    assert_eq!(handed, hosted);
+}
+
+/// The error rank 1's receive of a `[2, 3]` tensor as `want` ends with (every error is fatal
+/// for the world, so one world per case).
+fn handed_over_recv_error<const D: usize>(want: [usize; D]) -> String {
+    let outcome = run_ranks(world(2, 1, Duration::from_secs(10)), |comm| {
+        let device = *comm.device();
+        if comm.rank() == 0 {
+            comm.send(1, 1, tensor1(vec![1.0; 6], &device).reshape([2, 3]))
+        } else {
+            comm.recv::<D>(0, 1, want).map(|_| ())
+        }
+    });
+    match outcome {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("receiving a [2, 3] tensor as {want:?} succeeded"),
+    }
+}
+
+#[test]
+fn handed_over_tensor_with_other_dimensions_or_shape_is_an_error() {
+    let dims = handed_over_recv_error([6]);
+    assert!(
+        dims.contains("another number of dimensions than 1"),
+        "{dims}"
+    );
+    let shape = handed_over_recv_error([3, 2]);
+    assert!(
+        shape.contains("[2, 3]") && shape.contains("[3, 2]"),
+        "{shape}"
+    );
 }
 
 #[test]
