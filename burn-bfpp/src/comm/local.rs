@@ -310,6 +310,10 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
             ));
         }
         let payload = if self.config.same_device_handoff && self.devices[peer] == self.device {
+            // The producing work may still be queued on this thread (see the config's doc);
+            // without this the wgpu engine test with fused kernels failed about one run in
+            // three under CPU load.
+            B::sync(&self.device).map_err(|e| self.data_error(action, format!("{e:?}")))?;
             Payload::Handoff(Handoff::new(tensor))
         } else {
             let data = self.read(tensor, action)?;

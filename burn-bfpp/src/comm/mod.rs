@@ -162,9 +162,11 @@ pub struct CommConfig {
     /// Whether point-to-point tensors between ranks that compute on the same device (threads
     /// of one process) are handed over as they are instead of through host memory. Default
     /// on: on a GPU shared by several pipeline stages this removes a device-to-host and a
-    /// host-to-device copy, and a host synchronisation, per transfer. Burn tensors are
-    /// immutable values, so sharing one is safe; CubeCL orders the receiver's work after the
-    /// sender's on its own. Off only to exercise the host path on one device (tests).
+    /// host-to-device copy per transfer. Burn tensors are immutable values, so sharing one is
+    /// safe once it exists; the sender synchronises its device before handing it over,
+    /// because the work producing it may still be queued (Burn's fusion records operations
+    /// lazily, per thread) and the receiver's thread would not wait for it. Off only to
+    /// exercise the host path on one device (tests).
     pub same_device_handoff: bool,
 }
 
