@@ -12,7 +12,8 @@
 
 use cubecl::prelude::*;
 
-use super::flash_fwd::{load_tile, visible};
+use super::flash_fwd::visible;
+use super::tiles::stage_rows;
 
 /// dQ kernel: inputs contiguous `[batch, heads, seq, head_dim]`, `lse` and `delta` f32
 /// `[batch, heads, seq_q]`, mask f32 `[batch, seq_k]` (1.0 = padded).
@@ -83,8 +84,12 @@ pub(crate) fn flash_dq_kernel<F: Float>(
     let num_tiles = (kv_end + block_k - 1) / block_k;
     for t in 0..num_tiles {
         let kv0 = t * block_k;
-        load_tile::<F>(k, &mut k_s, kv_base, kv0, seq_k, block_k, head_dim, block_q);
-        load_tile::<F>(v, &mut v_s, kv_base, kv0, seq_k, block_k, head_dim, block_q);
+        stage_rows::<F, f32>(
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+        );
+        stage_rows::<F, f32>(
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+        );
         sync_cube();
         for c in 0..block_k {
             if visible(mask, batch, row, kv0 + c, seq_q, seq_k, causal, has_mask) {
@@ -171,9 +176,11 @@ pub(crate) fn flash_dkdv_kernel<F: Float>(
         q0 = 0;
     }
     while q0 < seq_q {
-        load_tile::<F>(q, &mut q_s, q_base, q0, seq_q, block_q, head_dim, block_kv);
-        load_tile::<F>(
-            dout, &mut do_s, q_base, q0, seq_q, block_q, head_dim, block_kv,
+        stage_rows::<F, f32>(
+            q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, block_kv,
+        );
+        stage_rows::<F, f32>(
+            dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, block_kv,
         );
         sync_cube();
         for r in 0..block_q {

@@ -79,10 +79,10 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
 
-    stage_rows::<F>(
+    stage_rows::<F, F>(
         q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
     );
-    stage_rows::<F>(
+    stage_rows::<F, F>(
         dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
     );
     stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
@@ -105,10 +105,10 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let num_tiles = (kv_end + FRAG - 1) / FRAG;
     for t in 0..num_tiles {
         let kv0 = t * FRAG;
-        stage_rows::<F>(
+        stage_rows::<F, F>(
             k, &mut k_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
         );
-        stage_rows::<F>(
+        stage_rows::<F, F>(
             v, &mut v_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
         );
         sync_cube();
@@ -260,10 +260,10 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let mut lse_s = SharedMemory::<f32>::new(FRAG);
     let mut delta_s = SharedMemory::<f32>::new(FRAG);
 
-    stage_rows::<F>(
+    stage_rows::<F, F>(
         k, &mut k_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
     );
-    stage_rows::<F>(
+    stage_rows::<F, F>(
         v, &mut v_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
     );
     let mut e = lane;
@@ -285,10 +285,10 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         let q0 = t * FRAG;
         // The previous tile's last reads of q_s / do_s / lse_s / delta_s are behind the
         // barrier that ends it (or, for the first tile, nothing has read them yet).
-        stage_rows::<F>(
+        stage_rows::<F, F>(
             q, &mut q_s, 0usize, q_base, q0, seq_q, FRAG, head_dim, threads,
         );
-        stage_rows::<F>(
+        stage_rows::<F, F>(
             dout, &mut do_s, 0usize, q_base, q0, seq_q, FRAG, head_dim, threads,
         );
         stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, FRAG, threads);

@@ -7,6 +7,8 @@
 
 use cubecl::prelude::*;
 
+use super::tiles::stage_rows;
+
 /// Score given to hidden (masked or out-of-range) keys in the per-tile score buffer, and the
 /// initial running max. Finite because WGSL cannot reliably produce `-inf`; any real scaled
 /// score is far above it.
@@ -36,31 +38,6 @@ pub(crate) fn visible(
         ok = ok && mask[batch * seq_k + jj] < 0.5f32;
     }
     ok
-}
-
-/// Copies rows `[row0, row0 + rows)` of a `[.., seq, head_dim]` slab starting at `base` into
-/// shared memory as f32 (zeros past `seq`), all threads of the cube cooperating.
-#[cube]
-pub(crate) fn load_tile<F: Float>(
-    src: &Tensor<F>,
-    dst: &mut SharedMemory<f32>,
-    base: usize,
-    row0: usize,
-    seq: usize,
-    #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] threads: usize,
-) {
-    let mut idx = UNIT_POS_X as usize;
-    while idx < rows * head_dim {
-        let r = row0 + idx / head_dim;
-        let mut x = f32::new(0.0);
-        if r < seq {
-            x = f32::cast_from(src[base + r * head_dim + idx % head_dim]);
-        }
-        dst[idx] = x;
-        idx += threads;
-    }
 }
 
 /// Forward kernel. Inputs contiguous `[batch, heads, seq, head_dim]`; `mask` is
@@ -129,8 +106,12 @@ pub(crate) fn flash_fwd_kernel<F: Float>(
 
     for t in 0..num_tiles {
         let kv0 = t * block_k;
-        load_tile::<F>(k, &mut k_s, kv_base, kv0, seq_k, block_k, head_dim, block_q);
-        load_tile::<F>(v, &mut v_s, kv_base, kv0, seq_k, block_k, head_dim, block_q);
+        stage_rows::<F, f32>(
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+        );
+        stage_rows::<F, f32>(
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+        );
         sync_cube();
 
         let mut tile_max = f32::new(HIDDEN);

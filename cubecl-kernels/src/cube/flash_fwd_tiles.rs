@@ -80,7 +80,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let mut o_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
     let mut row_s = SharedMemory::<f32>::new(planes * FRAG);
 
-    stage_rows::<F>(
+    stage_rows::<F, F>(
         q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
     );
     let o_off = plane * FRAG * head_dim;
@@ -112,10 +112,10 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
 
     for t in 0..num_tiles {
         let kv0 = t * FRAG;
-        stage_rows::<F>(
+        stage_rows::<F, F>(
             k, &mut k_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
         );
-        stage_rows::<F>(
+        stage_rows::<F, F>(
             v, &mut v_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
         );
         sync_cube();

@@ -18,13 +18,14 @@ pub(crate) const ONE_STEP: usize = 1;
 pub(crate) const ALIGN: usize = 32;
 
 /// Copies rows `[row0, row0 + rows)` of a `[.., seq, head_dim]` slab starting at `base` into
-/// `dst` from element `dst_off`, in the input type, zeros past `seq` (padded rows stay finite
+/// `dst` from element `dst_off`, converted to the shared memory's type `S` (the input type for
+/// fragment operands, f32 for the portable kernels), zeros past `seq` (padded rows stay finite
 /// and fragment loads never read out of bounds), all threads of the cube cooperating.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn stage_rows<F: Float>(
+pub(crate) fn stage_rows<F: Float, S: Float>(
     src: &Tensor<F>,
-    dst: &mut SharedMemory<F>,
+    dst: &mut SharedMemory<S>,
     dst_off: usize,
     base: usize,
     row0: usize,
@@ -36,9 +37,9 @@ pub(crate) fn stage_rows<F: Float>(
     let mut idx = UNIT_POS as usize;
     while idx < rows * head_dim {
         let r = row0 + idx / head_dim;
-        let mut x = F::new(0.0);
+        let mut x = S::new(0.0);
         if r < seq {
-            x = src[base + r * head_dim + idx % head_dim];
+            x = S::cast_from(src[base + r * head_dim + idx % head_dim]);
         }
         dst[dst_off + idx] = x;
         idx += threads;
