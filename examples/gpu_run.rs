@@ -47,12 +47,22 @@ enum BackendChoice {
 /// Which communicator the ranks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum CommChoice {
-    /// `LocalComm`: every transfer and collective through host memory.
+    /// `LocalComm`: collectives through host memory; pipeline transfers handed over on the
+    /// device between ranks that share a GPU, through host memory between GPUs.
     Local,
     /// `NcclComm` (CUDA only): data-parallel collectives as NCCL all-reduces on the device
-    /// buffers; pipeline transfers through host memory. Each data-parallel group needs
-    /// distinct GPUs (`--dp` ≤ `--gpus`, or `--dp 1`: groups of one rank).
+    /// buffers; pipeline transfers as with `local`. Each data-parallel group needs distinct
+    /// GPUs (`--dp` ≤ `--gpus`, or `--dp 1`: groups of one rank).
     Nccl,
+}
+
+/// Which attention kernels the fused path uses (`cubecl_kernels::cube::AttentionKernel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum AttentionChoice {
+    /// Tensor-core tile kernels for bf16/f16 where the device has them, else portable.
+    Auto,
+    /// The portable kernels everywhere (to compare with, or to rule the tile kernels out).
+    Scalar,
 }
 
 /// Command-line settings of the run.
@@ -106,6 +116,9 @@ struct Args {
     /// nccl`: a correctness check of multi-GPU placement, not a scaling measurement.
     #[arg(long, default_value_t = 1)]
     gpus: usize,
+    /// Attention kernels of the fused path.
+    #[arg(long, value_enum, default_value = "auto")]
+    attention: AttentionChoice,
     /// Compute precision of the stages: fp32, bf16 (the default: what the MFU's bf16 peak
     /// counts) or f16 (with dynamic loss scaling). Master weights and optimizer state stay fp32.
     #[arg(long, default_value = "bf16")]
@@ -128,6 +141,11 @@ type Error = Box<dyn std::error::Error>;
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
+    use cubecl_kernels::cube::{set_attention_kernel, AttentionKernel};
+    set_attention_kernel(match args.attention {
+        AttentionChoice::Auto => AttentionKernel::Auto,
+        AttentionChoice::Scalar => AttentionKernel::Scalar,
+    });
     if args.gpus == 0 {
         return Err("--gpus 0: give at least one GPU".into());
     }

@@ -19,7 +19,9 @@
 #
 # On a machine without an NVIDIA GPU, `run` performs every step that does not need one (binary
 # present and runnable) and then stops with exit status 2 and a message saying so.
-# GPU_RUN_ARGS adds flags to the training run (see `target/gpu-run/gpu_run --help`).
+# GPU_RUN_ARGS adds flags to the training run (see `target/gpu-run/gpu_run --help`); e.g.
+# GPU_RUN_ARGS='--attention scalar' trains with the portable attention kernels instead of the
+# tensor-core ones (to compare, or to rule them out).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=target/gpu-run
