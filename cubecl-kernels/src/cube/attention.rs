@@ -86,16 +86,25 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
     // Fragments are plane-wide: the cube's x dimension must be the hardware plane width.
     let plane_dim = hw.plane_size_max.max(1) as usize;
     let budget = hw.max_shared_memory_size.min(TILES_SHARED_CAP);
-    let elem_bytes = dtype.size();
+    let planes = planes_that_fit(kernel, head_dim, dtype.size(), budget)?;
+    Some((planes, plane_dim, has_cmma))
+}
+
+/// The most planes (4, 2 or 1) whose shared memory for `kernel` fits in `budget` bytes.
+fn planes_that_fit(
+    kernel: TileKernel,
+    head_dim: usize,
+    elem_bytes: usize,
+    budget: usize,
+) -> Option<usize> {
     let bytes = match kernel {
         TileKernel::Forward => shared_bytes,
         TileKernel::Dq => dq_shared_bytes,
         TileKernel::DkDv => dkdv_shared_bytes,
     };
-    let planes = [4, 2, 1]
+    [4, 2, 1]
         .into_iter()
-        .find(|&p| bytes(p, head_dim, elem_bytes) <= budget)?;
-    Some((planes, plane_dim, has_cmma))
+        .find(|&p| bytes(p, head_dim, elem_bytes) <= budget)
 }
 
 /// Flash-attention forward on a CubeCL backend: `(out, lse)` with `lse` in f32.
@@ -319,4 +328,62 @@ where
         );
     }
     (dq, dk, dv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KERNELS: [TileKernel; 3] = [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv];
+
+    /// On CUDA (48 KiB without an opt-in) every bf16/f16 head dimension the tile kernels
+    /// accept, up to the 128 of the production models, gets at least one plane for all three
+    /// kernels, so none of them silently falls back to the portable kernel there.
+    #[test]
+    fn every_half_head_dim_up_to_128_fits_cuda_shared_memory() {
+        for head_dim in (FRAG..=128).step_by(FRAG) {
+            for kernel in KERNELS {
+                assert!(
+                    planes_that_fit(kernel, head_dim, 2, TILES_SHARED_CAP).is_some(),
+                    "{kernel:?} at head dim {head_dim} does not fit 48 KiB"
+                );
+            }
+        }
+    }
+
+    /// More planes need more shared memory, and the choice is the most planes within the
+    /// budget (none when even one plane does not fit).
+    #[test]
+    fn plane_choice_stays_within_the_budget_and_prefers_more_planes() {
+        for kernel in KERNELS {
+            let bytes = match kernel {
+                TileKernel::Forward => shared_bytes,
+                TileKernel::Dq => dq_shared_bytes,
+                TileKernel::DkDv => dkdv_shared_bytes,
+            };
+            for budget in [16 * 1024, 32 * 1024, 48 * 1024] {
+                for head_dim in (FRAG..=128).step_by(FRAG) {
+                    for elem in [2, 4] {
+                        assert!(bytes(2, head_dim, elem) > bytes(1, head_dim, elem));
+                        match planes_that_fit(kernel, head_dim, elem, budget) {
+                            Some(p) => {
+                                assert!(bytes(p, head_dim, elem) <= budget);
+                                if p < 4 {
+                                    assert!(bytes(p * 2, head_dim, elem) > budget);
+                                }
+                            }
+                            None => assert!(bytes(1, head_dim, elem) > budget),
+                        }
+                    }
+                }
+            }
+        }
+        // lavapipe's 32 KiB: the f16 forward at head dim 128 runs one plane, the f16 dK/dV
+        // (two f32 accumulators) does not fit (the wgpu_tiles test relies on both).
+        assert_eq!(
+            planes_that_fit(TileKernel::Forward, 128, 2, 32 * 1024),
+            Some(1)
+        );
+        assert_eq!(planes_that_fit(TileKernel::DkDv, 128, 2, 32 * 1024), None);
+    }
 }
