@@ -5,7 +5,7 @@
 
 mod common;
 
-use burn::backend::wgpu::{Wgpu, WgpuDevice};
+use burn::backend::wgpu::Wgpu;
 use burn::tensor::backend::Backend;
 use burn::tensor::DType;
 use common::{
@@ -18,13 +18,9 @@ const TOL: f64 = 1e-4;
 /// Tolerance for f16/bf16 inputs (outputs and gradients stored in the half type).
 const HALF_TOL: f64 = 1e-2;
 
-fn device() -> WgpuDevice {
-    wgpu_cpu_device()
-}
-
 #[test]
 fn flash_attention_matches_f64_oracle() {
-    let dev = device();
+    let dev = wgpu_cpu_device();
     let mut rng = Rng::fresh("wgpu flash_attention");
     // [batch, heads, seq_q, seq_k, head_dim]: lengths on, below and above the 32-row query
     // tile and the 16/32-key tiles, square and not, every supported-size class of head dim.
@@ -44,7 +40,7 @@ fn flash_attention_matches_f64_oracle() {
 
 #[test]
 fn linear_cross_entropy_matches_f64_oracle() {
-    let dev = device();
+    let dev = wgpu_cpu_device();
     let mut rng = Rng::fresh("wgpu linear_cross_entropy");
     // The op runs in [row block × vocabulary chunk] pieces: small pieces, so that several row
     // blocks and chunks (the last ones partial) are folded together, then the defaults (one
@@ -83,7 +79,7 @@ fn linear_cross_entropy_matches_f64_oracle() {
 
 #[test]
 fn linear_gelu_matches_f64_oracle() {
-    let dev = device();
+    let dev = wgpu_cpu_device();
     let mut rng = Rng::fresh("wgpu linear_gelu");
     // [tokens, d_in, d_out]: single elements, exact 32-multiples (one and several tiles in
     // every direction), one past / one short of a tile, and odd sizes, so the zero-padded
@@ -107,7 +103,7 @@ fn linear_gelu_matches_f64_oracle() {
 /// bf16 shader support), which this test then asserts instead of skipping.
 #[test]
 fn linear_gelu_half_types_match_oracle_or_are_refused() {
-    let dev = device();
+    let dev = wgpu_cpu_device();
     let mut rng = Rng::fresh("wgpu linear_gelu f16/bf16");
     for dtype in [DType::F16, DType::BF16] {
         if <Wgpu as Backend>::supports_dtype(&dev, dtype) {
@@ -126,7 +122,7 @@ fn linear_gelu_half_types_match_oracle_or_are_refused() {
 /// unsupported-dtype error where it does not.
 #[test]
 fn attention_and_linear_ce_half_types_match_oracle_or_are_refused() {
-    let dev = device();
+    let dev = wgpu_cpu_device();
     let mut rng = Rng::fresh("wgpu attention/linear_ce f16/bf16");
     for dtype in [DType::F16, DType::BF16] {
         if !<Wgpu as Backend>::supports_dtype(&dev, dtype) {

@@ -28,8 +28,7 @@ use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, Reduce
 /// dropping it while panicking aborts the world.
 pub struct LocalComm<B: Backend> {
     grid: RankGrid,
-    device: B::Device,
-    /// Every rank's device, by world rank (which peers share this rank's device).
+    /// Every rank's device, by world rank (this rank's, and which peers share it).
     devices: Arc<[B::Device]>,
     config: CommConfig,
     mbox: Mailbox,
@@ -40,7 +39,7 @@ impl<B: Backend> fmt::Debug for LocalComm<B> {
         f.debug_struct("LocalComm")
             .field("rank", &self.mbox.rank())
             .field("grid", &self.grid)
-            .field("device", &self.device)
+            .field("device", self.device())
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -76,13 +75,11 @@ impl<B: Backend> LocalComm<B> {
     }
 
     fn build(grid: RankGrid, devices: Vec<B::Device>, config: CommConfig) -> Vec<Self> {
-        let all: Arc<[B::Device]> = devices.clone().into();
+        let all: Arc<[B::Device]> = devices.into();
         Mailbox::world(grid.world_size(), config)
             .into_iter()
-            .zip(devices)
-            .map(|(mbox, device)| LocalComm {
+            .map(|mbox| LocalComm {
                 grid,
-                device,
                 devices: Arc::clone(&all),
                 config,
                 mbox,
@@ -204,7 +201,7 @@ impl<B: Backend> LocalComm<B> {
     /// Puts host data on this rank's device with the sender's dtype.
     fn build_tensor<const D: usize>(&self, data: TensorData) -> Tensor<B, D> {
         let dtype = data.dtype;
-        Tensor::from_data(data, (&self.device, dtype))
+        Tensor::from_data(data, (self.device(), dtype))
     }
 
     /// Exchanges this rank's contribution with every other member of `group` and returns all
@@ -288,7 +285,7 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
     }
 
     fn device(&self) -> &B::Device {
-        &self.device
+        &self.devices[self.mbox.rank()]
     }
 
     fn send<const D: usize>(
@@ -309,11 +306,11 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
                 ),
             ));
         }
-        let payload = if self.config.same_device_handoff && self.devices[peer] == self.device {
+        let payload = if self.config.same_device_handoff && self.devices[peer] == *self.device() {
             // The producing work may still be queued on this thread (see the config's doc);
             // without this the wgpu engine test with fused kernels failed about one run in
             // three under CPU load.
-            B::sync(&self.device).map_err(|e| self.data_error(action, format!("{e:?}")))?;
+            B::sync(self.device()).map_err(|e| self.data_error(action, format!("{e:?}")))?;
             Payload::Handoff(Handoff::new(tensor))
         } else {
             let data = self.read(tensor, action)?;
