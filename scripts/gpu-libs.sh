@@ -12,6 +12,34 @@ prepend_lib_path() {
     export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
+# CubeCL's CUDA runtime hands NVRTC `--include-path=$CUDA_PATH/include` for every kernel it
+# compiles (the generated code includes cuda_runtime.h, cuda_bf16.h and mma.h), and panics
+# when CUDA_PATH is unset and neither /usr/local/cuda, /opt/cuda nor /usr/bin/nvcc exists.
+# So CUDA_PATH is set to the first folder whose include/ holds the headers: the toolkit
+# beside `nvcc`, the usual toolkit folders, then PyTorch's CUDA 13 wheels (nvidia/cu13).
+cuda_headers() {
+    local dir candidates=()
+    if [[ -n "${CUDA_PATH:-}" && -f "$CUDA_PATH/include/cuda_runtime.h" ]]; then
+        return
+    fi
+    if command -v nvcc >/dev/null 2>&1; then
+        candidates+=("$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")")
+    fi
+    candidates+=(/usr/local/cuda /opt/cuda)
+    if [[ -n "$py_dirs" ]]; then
+        # shellcheck disable=SC2086
+        candidates+=($(find $py_dirs -maxdepth 3 -path '*/include/cuda_runtime.h' 2>/dev/null |
+            sed 's|/include/cuda_runtime.h$||' | sort))
+    fi
+    unset CUDA_PATH
+    for dir in "${candidates[@]}"; do
+        if [[ -f "$dir/include/cuda_runtime.h" && -f "$dir/include/mma.h" ]]; then
+            export CUDA_PATH=$dir
+            return
+        fi
+    done
+}
+
 gpu_libs() {
     local links=$1 found dir py_dirs nvrtc nccl
     mkdir -p "$links" && links=$(cd "$links" && pwd)
@@ -54,6 +82,8 @@ gpu_libs() {
         fi
     fi
     prepend_lib_path "$links"
+    cuda_headers
     echo "gpu-libs: nvrtc ${nvrtc:-from the loader path}, nccl ${nccl:-from the loader path}"
+    echo "gpu-libs: CUDA_PATH=${CUDA_PATH:-NOT SET (no CUDA headers found: CUDA kernels cannot compile)}"
     echo "gpu-libs: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 }

@@ -6,6 +6,7 @@ use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 
 use super::flash_bwd::{flash_dkdv_kernel, flash_dq_kernel};
@@ -55,37 +56,66 @@ pub(crate) enum TileKernel {
 }
 
 /// How a tile kernel runs on this device for `dtype` and `head_dim`: `(planes, plane_dim,
-/// use_cmma)`, or `None` when it does not apply (head dimension not a multiple of 16, no
-/// plane count fits in shared memory, or, under [`AttentionKernel::Auto`], no tensor-core
-/// fragment of the input type with f32 accumulation).
+/// use_cmma)`, or `None` when it does not apply (see [`plan_tiles`]).
 pub(crate) fn tiles_plan<R: CubeRuntime>(
     client: &ComputeClient<R>,
     kernel: TileKernel,
     dtype: DType,
     head_dim: usize,
 ) -> Option<(usize, usize, bool)> {
-    let choice = attention_kernel();
-    if choice == AttentionKernel::Scalar || head_dim % FRAG != 0 {
-        return None;
-    }
     let props = client.properties();
+    let hw = &props.hardware;
+    plan_tiles(
+        attention_kernel(),
+        has_tile_fragments(props.features.matmul.cmma.iter(), dtype),
+        hw.plane_size_max.max(1) as usize,
+        hw.max_shared_memory_size,
+        kernel,
+        dtype,
+        head_dim,
+    )
+}
+
+/// Whether `cmma` (a device's fragment shapes) holds the 16×16×16 fragment of `dtype` with
+/// f32 accumulation that the tile kernels multiply with (only f16 and bf16 qualify).
+pub(crate) fn has_tile_fragments<'a>(
+    mut cmma: impl Iterator<Item = &'a MmaConfig>,
+    dtype: DType,
+) -> bool {
     let elem: StorageType = dtype.into();
     let f32_: StorageType = DType::F32.into();
     let frag = FRAG as u32;
-    let has_cmma = matches!(dtype, DType::F16 | DType::BF16)
-        && props.features.matmul.cmma.iter().any(|c| {
+    matches!(dtype, DType::F16 | DType::BF16)
+        && cmma.any(|c| {
             c.a_type == elem
                 && c.b_type == elem
                 && c.cd_type == f32_
                 && (c.m, c.n, c.k) == (frag, frag, frag)
-        });
+        })
+}
+
+/// The tile kernels' plan from the device facts it depends on: `(planes, plane_dim,
+/// use_cmma)`, or `None` when they do not apply (the `choice` is
+/// [`AttentionKernel::Scalar`], the head dimension is not a multiple of 16, no plane count
+/// fits in shared memory, or, under [`AttentionKernel::Auto`], the device has no tensor-core
+/// fragment of the input type). Fragments are plane-wide, so the cube's x dimension is the
+/// hardware plane width `plane_dim`.
+pub(crate) fn plan_tiles(
+    choice: AttentionKernel,
+    has_cmma: bool,
+    plane_dim: usize,
+    device_shared_bytes: usize,
+    kernel: TileKernel,
+    dtype: DType,
+    head_dim: usize,
+) -> Option<(usize, usize, bool)> {
+    if choice == AttentionKernel::Scalar || head_dim % FRAG != 0 {
+        return None;
+    }
     if !has_cmma && choice == AttentionKernel::Auto {
         return None;
     }
-    let hw = &props.hardware;
-    // Fragments are plane-wide: the cube's x dimension must be the hardware plane width.
-    let plane_dim = hw.plane_size_max.max(1) as usize;
-    let budget = hw.max_shared_memory_size.min(TILES_SHARED_CAP);
+    let budget = device_shared_bytes.min(TILES_SHARED_CAP);
     let planes = planes_that_fit(kernel, head_dim, dtype.size(), budget)?;
     Some((planes, plane_dim, has_cmma))
 }

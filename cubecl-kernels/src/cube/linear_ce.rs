@@ -53,13 +53,13 @@ pub fn linear_ce_piece() -> (usize, usize) {
 }
 
 /// Threads per row in the statistics kernel.
-const STATS_THREADS: usize = 64;
+pub(crate) const STATS_THREADS: usize = 64;
 /// Threads per cube of the per-token kernel.
-const FINISH_THREADS: usize = 64;
+pub(crate) const FINISH_THREADS: usize = 64;
 /// Edge of the block one cube of the gradient kernel handles, and the cube's width.
-const GRAD_TILE: usize = 32;
+pub(crate) const GRAD_TILE: usize = 32;
 /// Threads down a gradient block's rows (32 × 4 = 128 per cube, Vulkan's guaranteed minimum).
-const GRAD_ROW_THREADS: usize = 4;
+pub(crate) const GRAD_ROW_THREADS: usize = 4;
 
 /// `0..len` cut into consecutive ranges of at most `step`.
 fn blocks(len: usize, step: usize) -> impl Iterator<Item = Range<usize>> {

@@ -11,10 +11,10 @@ use super::mlp::{bias_gelu_dz_kernel, bias_gelu_fwd_kernel};
 use super::output;
 
 /// Edge of the `[n, m]` block one cube handles; also the cube's width.
-const TILE: usize = 32;
+pub(crate) const TILE: usize = 32;
 /// Threads down a block's rows: 32 × 4 = 128 threads per cube, the most Vulkan guarantees,
 /// each handling 8 elements.
-const ROW_THREADS: usize = 4;
+pub(crate) const ROW_THREADS: usize = 4;
 
 fn launch_grid(n: usize, m: usize) -> (CubeCount, CubeDim) {
     (

@@ -10,6 +10,8 @@
 
 mod attention;
 mod cross_entropy;
+#[cfg(feature = "cuda")]
+pub mod cuda_source;
 mod flash_bwd;
 mod flash_bwd_tiles;
 mod flash_fwd;
