@@ -1,0 +1,213 @@
+//! The CUDA C++ of this crate's kernels for a given CUDA GPU, generated and compiled on a
+//! machine without one (feature `cuda`).
+//!
+//! On a GPU, CubeCL turns each kernel into CUDA C++ and compiles it with NVRTC at its first
+//! launch; a kernel that does not compile (a fragment type the code generator mishandles, a
+//! header that is missing) fails only there. GPU time is scarce, so this module does the
+//! same two steps ahead of time: [`cuda_sources`] generates every kernel variant the
+//! launchers would pick on a [`CudaTarget`] — the tile kernels with their tensor-core
+//! fragments where [`AttentionKernel::Auto`](super::AttentionKernel::Auto) uses them, the
+//! portable ones, the MLP epilogue and the cross-entropy kernels — with the same plans and
+//! the same CubeCL code generator as the CUDA runtime, and [`compile_with_nvrtc`] compiles
+//! one to PTX for the target's architecture with the same options CubeCL passes.
+//!
+//! Defining a kernel needs a CubeCL client (the kernel builder reads its properties), so the
+//! functions take one of any runtime; everything that depends on the GPU (plane width,
+//! shared memory, tensor-core fragments, code generation options) comes from the target.
+
+mod generate;
+mod toolchain;
+
+use burn::tensor::DType;
+use cubecl::features::MmaConfig;
+use cubecl::prelude::*;
+use cubecl_cpp::cuda::arch::CudaArchitecture;
+use cubecl_cpp::cuda::mma::CudaWmmaCompiler;
+use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures, DialectWmmaCompiler};
+
+use super::attention::{has_tile_fragments, plan_tiles, TileKernel};
+use super::AttentionKernel;
+use generate::{Attention, Generator};
+
+pub use toolchain::{assemble_with_nvjitlink, compile_with_nvrtc, SassResources};
+
+/// A CUDA GPU to generate kernels for: the facts the launchers read off a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaTarget {
+    /// Compute capability as `major * 10 + minor` (90 for Hopper).
+    pub arch: u32,
+    /// Shared memory a block may use after opting in, in bytes.
+    pub max_shared_bytes: usize,
+}
+
+impl CudaTarget {
+    /// NVIDIA H100/H200 (Hopper, sm_90): 227 KiB of shared memory per block after opt-in.
+    pub const HOPPER: CudaTarget = CudaTarget {
+        arch: 90,
+        max_shared_bytes: 227 * 1024,
+    };
+
+    /// CUDA's warp width, the plane width of every CUDA GPU.
+    pub const WARP: usize = 32;
+
+    /// The tensor-core fragments CubeCL's CUDA runtime registers for this architecture.
+    pub fn fragments(&self) -> Vec<MmaConfig> {
+        CudaWmmaCompiler::supported_wmma_combinations(&CudaArchitecture { version: self.arch })
+    }
+
+    /// Whether [`AttentionKernel::Auto`] runs the tensor-core tile kernels on this GPU for
+    /// `dtype` and `head_dim` (all three of forward, dQ and dK/dV).
+    pub fn attention_uses_tensor_cores(&self, dtype: DType, head_dim: usize) -> bool {
+        [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv]
+            .into_iter()
+            .all(|kernel| {
+                matches!(
+                    self.plan(AttentionKernel::Auto, kernel, dtype, head_dim),
+                    Some((_, _, true))
+                )
+            })
+    }
+
+    fn plan(
+        &self,
+        choice: AttentionKernel,
+        kernel: TileKernel,
+        dtype: DType,
+        head_dim: usize,
+    ) -> Option<(usize, usize, bool)> {
+        let fragments = self.fragments();
+        plan_tiles(
+            choice,
+            has_tile_fragments(fragments.iter(), dtype),
+            Self::WARP,
+            self.max_shared_bytes,
+            kernel,
+            dtype,
+            head_dim,
+        )
+    }
+
+    /// The code generation options CubeCL's CUDA runtime sets for this architecture.
+    fn options(&self) -> CompilationOptions {
+        CompilationOptions {
+            warp_size: Self::WARP as u32,
+            supports_features: CppSupportedFeatures {
+                fast_math: true,
+                grid_constants: self.arch >= 70,
+                fast_tanh: self.arch >= 75,
+                clusters: self.arch >= 90,
+                elect_sync: self.arch >= 90,
+            },
+        }
+    }
+
+    /// The architecture name NVRTC and ptxas take, as CubeCL's CUDA runtime writes it:
+    /// `sm_90a` on Hopper (the `a` unlocks its architecture-specific instructions).
+    fn sm(&self) -> String {
+        let suffix = if self.arch >= 90 { "a" } else { "" };
+        format!("sm_{}{suffix}", self.arch)
+    }
+}
+
+/// One kernel variant's CUDA C++.
+#[derive(Debug, Clone)]
+pub struct CudaKernelSource {
+    /// The kernel's entry point, with the variant in parentheses.
+    pub name: String,
+    /// The CUDA C++ CubeCL generated.
+    pub source: String,
+    /// Shared memory the kernel declares, in bytes.
+    pub shared_bytes: usize,
+    /// For the attention tile kernels, the shared memory their launcher budgets for the plan
+    /// (the kernel must not declare more); `None` for the others.
+    pub planned_shared_bytes: Option<usize>,
+    /// Whether the variant multiplies with tensor-core fragments.
+    pub tensor_cores: bool,
+}
+
+/// Why a kernel could not be generated or compiled.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaSourceError {
+    /// CubeCL's CUDA code generator rejected the kernel.
+    #[error("generating CUDA C++ for {kernel}: {reason}")]
+    Generate {
+        /// The kernel variant.
+        kernel: String,
+        /// CubeCL's message.
+        reason: String,
+    },
+    /// NVRTC could not be loaded.
+    #[error(
+        "NVRTC (libnvrtc.so.13) could not be loaded; install it (`scripts/nvrtc-wheels.sh DIR` \
+         fetches CUDA 13.0's NVRTC and headers from PyPI) and put its lib folder on \
+         LD_LIBRARY_PATH"
+    )]
+    NvrtcMissing,
+    /// The CUDA headers the generated code includes are not in the include folder.
+    #[error(
+        "no CUDA headers in {dir} (cuda_runtime.h and mma.h are needed); point the include \
+         folder at a CUDA toolkit's include/ or at the one `scripts/nvrtc-wheels.sh` fills"
+    )]
+    HeadersMissing {
+        /// The folder given.
+        dir: String,
+    },
+    /// nvJitLink (CUDA's library form of ptxas) could not be loaded.
+    #[error(
+        "nvJitLink (libnvJitLink.so.13) could not be loaded: {reason}; `scripts/nvrtc-wheels.sh \
+         DIR` fetches it with NVRTC, put its lib folder on LD_LIBRARY_PATH"
+    )]
+    NvJitLinkMissing {
+        /// The loader's message.
+        reason: String,
+    },
+    /// ptxas (through nvJitLink) rejected the PTX.
+    #[error("ptxas could not assemble {kernel} (nvJitLink error {code}):\n{log}")]
+    Assemble {
+        /// The kernel variant.
+        kernel: String,
+        /// nvJitLink's result code.
+        code: i32,
+        /// nvJitLink's error log.
+        log: String,
+    },
+    /// NVRTC rejected the source.
+    #[error("NVRTC could not compile {kernel}:\n{log}")]
+    Compile {
+        /// The kernel variant.
+        kernel: String,
+        /// NVRTC's log.
+        log: String,
+    },
+}
+
+/// Every kernel variant this crate launches on `target` for inputs of `dtype` with attention
+/// head dimension `head_dim`: for attention, the variants [`AttentionKernel::Auto`] picks
+/// (tile kernels on tensor cores where they apply) and the portable scalar kernels, both
+/// causal with a key-padding mask and plain; then the MLP epilogue and the cross-entropy
+/// kernels. `client` only lends the kernel builder its runtime (see the module docs).
+pub fn cuda_sources<R: Runtime>(
+    client: &ComputeClient<R>,
+    target: &CudaTarget,
+    dtype: DType,
+    head_dim: usize,
+) -> Result<Vec<CudaKernelSource>, CudaSourceError> {
+    let generator = Generator { client, target };
+    let mut sources = Vec::new();
+    for (causal, has_mask) in [(true, true), (false, false)] {
+        let variant = Attention {
+            dtype,
+            head_dim,
+            causal,
+            has_mask,
+        };
+        for kernel in [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv] {
+            if let Some(plan) = target.plan(AttentionKernel::Auto, kernel, dtype, head_dim) {
+                sources.push(generator.tiles(kernel, variant, plan)?);
+            }
+            sources.push(generator.scalar(kernel, variant)?);
+        }
+    }
+    sources.extend(generator.epilogues(dtype)?);
+    Ok(sources)
+}
