@@ -8,8 +8,10 @@
 //! launchers would pick on a [`CudaTarget`] — the tile kernels with their tensor-core
 //! fragments where [`AttentionKernel::Auto`](super::AttentionKernel::Auto) uses them, the
 //! portable ones, the MLP epilogue and the cross-entropy kernels — with the same plans and
-//! the same CubeCL code generator as the CUDA runtime, and [`compile_with_nvrtc`] compiles
-//! one to PTX for the target's architecture with the same options CubeCL passes.
+//! the same CubeCL code generator as the CUDA runtime; [`compile_with_nvrtc`] compiles one to
+//! PTX for the target's architecture with the same options CubeCL passes, and
+//! [`assemble_with_nvjitlink`] assembles that PTX with ptxas, as the driver does when it loads
+//! it, and reports the registers and spills.
 //!
 //! Defining a kernel needs a CubeCL client (the kernel builder reads its properties), so the
 //! functions take one of any runtime; everything that depends on the GPU (plane width,
@@ -112,7 +114,7 @@ impl CudaTarget {
 /// One kernel variant's CUDA C++.
 #[derive(Debug, Clone)]
 pub struct CudaKernelSource {
-    /// The kernel's entry point, with the variant in parentheses.
+    /// A readable name: the kernel, its plan and, in parentheses, its static choices.
     pub name: String,
     /// The CUDA C++ CubeCL generated.
     pub source: String,
