@@ -46,6 +46,41 @@ fn write_files(dir: &std::path::Path, name: &str, source: &str, ptx: &str) {
     std::fs::write(dir.join(format!("{stem}.ptx")), ptx).expect("write .ptx");
 }
 
+/// The numbers in `source` that follow `prefix` (up to the next non-digit).
+fn numbers_after(source: &str, prefix: &str) -> Vec<u64> {
+    source
+        .match_indices(prefix)
+        .filter_map(|(at, _)| {
+            let rest = &source[at + prefix.len()..];
+            let end = rest
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(rest.len());
+            rest[..end].parse().ok()
+        })
+        .collect()
+}
+
+/// wmma loads and stores need 256-bit aligned pointers and a leading dimension that is a
+/// multiple of 16 bytes (8 half-precision or 4 f32 elements); every fragment operand of the
+/// tile kernels lives in shared memory at a multiple of 16 elements from the start of its
+/// array, so each array must start 32-byte aligned and every `ldm` be a multiple of 8.
+fn check_wmma_alignment(name: &str, source: &str) {
+    let offsets = numbers_after(source, "&dynamic_shared_mem[");
+    assert!(!offsets.is_empty(), "{name}: no shared arrays found");
+    for offset in offsets {
+        assert_eq!(offset % 32, 0, "{name}: shared array at byte {offset}");
+    }
+    let ldms: Vec<u64> = source
+        .lines()
+        .filter(|l| l.contains("wmma::load_matrix_sync") || l.contains("wmma::store_matrix_sync"))
+        .flat_map(|l| numbers_after(l, "uint32("))
+        .collect();
+    assert!(!ldms.is_empty(), "{name}: no fragment loads found");
+    for ldm in ldms {
+        assert_eq!(ldm % 8, 0, "{name}: leading dimension {ldm}");
+    }
+}
+
 #[test]
 fn every_kernel_generates_and_compiles_for_hopper() {
     let client = WgpuRuntime::client(&common::wgpu_cpu_device());
@@ -102,6 +137,9 @@ fn every_kernel_generates_and_compiles_for_hopper() {
                 "{}: wmma in PTX vs plan",
                 source.name
             );
+            if source.tensor_cores {
+                check_wmma_alignment(&source.name, &source.source);
+            }
             tensor_core_kernels += usize::from(source.tensor_cores);
             // ptxas, as the driver runs it when it loads the PTX.
             let sass =
