@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Every pipeline and data-parallel rank is a thread of this process and all of them share the
-//! one device (`--gpus N` spreads them over N GPUs; `--comm nccl` runs the data-parallel
+//! one device (`--gpus N` spreads them over N GPUs; `--comm nccl` runs the group
 //! collectives on NCCL instead of host memory), so the run shows the schedule, the sharding
 //! and the engine's overheads on real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU
 //! against `--peak-tflops` (the H200's dense bf16 peak by default), the bubble of the measured
@@ -50,9 +50,10 @@ enum CommChoice {
     /// `LocalComm`: collectives through host memory; pipeline transfers handed over on the
     /// device between ranks that share a GPU, through host memory between GPUs.
     Local,
-    /// `NcclComm` (CUDA only): data-parallel collectives as NCCL all-reduces on the device
-    /// buffers; pipeline transfers as with `local`. Each data-parallel group needs distinct
-    /// GPUs (`--dp` ≤ `--gpus`, or `--dp 1`: groups of one rank).
+    /// `NcclComm` (CUDA only): the collectives of every group on distinct GPUs as NCCL
+    /// collectives on the device buffers (pipeline groups whose stages share a GPU keep the
+    /// host path); pipeline transfers as with `local`. Each data-parallel group needs
+    /// distinct GPUs (`--dp` ≤ `--gpus`, or `--dp 1`: groups of one rank).
     Nccl,
 }
 

@@ -12,8 +12,9 @@
 #                                 simulator's prediction for the same layout, and writes both
 #                                 timelines to target/gpu-run/out/.
 #
-# It then runs the same training with the NCCL communicator (`--comm nccl`: data-parallel
-# collectives as NCCL all-reduces on the device buffers, here groups of one rank) and, with
+# It then runs the NCCL communicator's GPU test (every collective on NCCL against host
+# values) and the same training with it (`--comm nccl`: data-parallel collectives on the
+# device buffers, here groups of one rank) and, with
 # more than one GPU, with the ranks spread over all GPUs; both must end at the one-GPU run's
 # final loss.
 #

@@ -1,8 +1,9 @@
-//! `NcclComm` on real GPUs: its data-parallel collectives against values computed on the host.
-//! Needs an NVIDIA GPU and NCCL, so it is ignored by default; `scripts/gpu-run.sh` trains with
-//! it end to end (`gpu_run --comm nccl`). The composition of all-gather, reduce-scatter and
-//! broadcast from the all-reduce is tested on the CPU (`comm::tests_by_all_reduce`, against
-//! `LocalComm`'s direct collectives), and so is the call agreement before each NCCL call.
+//! `NcclComm` on real GPUs: every collective of a group on NCCL against values computed on
+//! the host. Needs an NVIDIA GPU and NCCL, so it is ignored by default;
+//! `scripts/gpu-run.sh` runs it and trains with it end to end (`gpu_run --comm nccl`). The
+//! CPU tests of the same logic are `comm::tests_nccl_checks` (the call agreement before each
+//! NCCL call, which groups can be communicators) and `LocalComm`'s collective tests (the
+//! values every communicator must produce).
 #![cfg(feature = "cuda")]
 
 use std::time::Duration;
@@ -33,23 +34,26 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
     }
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU and NCCL"]
-fn nccl_collectives_match_host_values_on_every_gpu() {
-    let gpus = cudarc::driver::CudaContext::device_count().expect("CUDA driver") as usize;
-    assert!(gpus >= 1, "no CUDA device");
-    // One replica per GPU (a group of one on a single-GPU machine), two pipeline ranks each:
-    // pipeline rank r of replica d runs on GPU d.
-    let (pp, dp) = (2, gpus);
+fn gpus() -> usize {
+    let n = cudarc::driver::CudaContext::device_count().expect("CUDA driver") as usize;
+    assert!(n >= 1, "no CUDA device");
+    n
+}
+
+/// Runs all-reduce (sum, mean), reduce-scatter, all-gather and broadcast over `group` on a
+/// world with rank `r` on GPU `gpu_of(r)`, checks `group` is on NCCL exactly when
+/// `expect_nccl`, and compares every result with the host computation.
+fn check_group(grid: RankGrid, gpu_of: impl Fn(usize) -> usize, group: Group, expect_nccl: bool) {
+    let size = grid.group_size(group);
     // Divisible by the group size, for the reduce-scatter.
-    let len = 12 * dp;
-    let grid = RankGrid::new(pp, dp).expect("grid");
-    let devices = (0..pp * dp)
-        .map(|r| CudaDevice::new(grid.dp_index(r)))
+    let len = 12 * size;
+    let devices = (0..grid.world_size())
+        .map(|r| CudaDevice::new(gpu_of(r)))
         .collect();
     let config = CommConfig::with_timeout(Duration::from_secs(120));
     let comms = NcclComm::<f32, i32, u8>::create(grid, devices, config).expect("NCCL world");
     let results = run_ranks(comms, |comm| {
+        assert_eq!(comm.on_nccl(group), expect_nccl, "{group} on NCCL");
         let device = comm.device().clone();
         let t = |v: Vec<f32>| {
             let n = v.len();
@@ -57,49 +61,56 @@ fn nccl_collectives_match_host_values_on_every_gpu() {
         };
         let read = |x: Tensor<B, 1>| x.into_data().to_vec::<f32>().expect("f32");
         let mine = contribution(comm.rank(), len);
-        let g = Group::DataParallel;
-        let mut out = vec![
-            read(comm.all_reduce(g, t(mine.clone()), ReduceOp::Sum)?),
-            read(comm.all_reduce(g, t(mine.clone()), ReduceOp::Mean)?),
-            read(comm.reduce_scatter(g, t(mine.clone()), ReduceOp::Sum)?),
-            read(comm.all_gather(g, t(mine[..4].to_vec()))?),
-            read(comm.broadcast(g, dp - 1, t(mine.clone()))?),
+        let out = vec![
+            read(comm.all_reduce(group, t(mine.clone()), ReduceOp::Sum)?),
+            read(comm.all_reduce(group, t(mine.clone()), ReduceOp::Mean)?),
+            read(comm.reduce_scatter(group, t(mine.clone()), ReduceOp::Sum)?),
+            read(comm.all_gather(group, t(mine[..4].to_vec()))?),
+            read(comm.broadcast(group, size - 1, t(mine))?),
         ];
-        // The pipeline group stays on the host path.
-        out.push(read(comm.all_reduce(
-            Group::Pipeline,
-            t(mine),
-            ReduceOp::Sum,
-        )?));
-        comm.barrier(g)?;
+        comm.barrier(group)?;
         Ok::<_, CommError>(out)
     })
     .unwrap_or_else(|e| panic!("{e}"));
     for (rank, got) in results.iter().enumerate() {
-        let members = grid.group_members(rank, Group::DataParallel);
+        let members = grid.group_members(rank, group);
         let parts: Vec<Vec<f32>> = members.iter().map(|&m| contribution(m, len)).collect();
         let sum: Vec<f32> = (0..len).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
-        let mean: Vec<f32> = sum.iter().map(|s| s / dp as f32).collect();
-        let me = grid.dp_index(rank);
-        let chunk = len / dp;
+        let mean: Vec<f32> = sum.iter().map(|s| s / size as f32).collect();
+        let me = grid.group_rank(rank, group);
+        let chunk = len / size;
         let gathered: Vec<f32> = parts.iter().flat_map(|p| p[..4].to_vec()).collect();
-        let pipe: Vec<f32> = (0..len)
-            .map(|i| {
-                grid.group_members(rank, Group::Pipeline)
-                    .iter()
-                    .map(|&m| contribution(m, len)[i])
-                    .sum()
-            })
-            .collect();
+        let what = |op: &str| format!("rank {rank} {group} {op}");
+        close(&what("all-reduce sum"), &got[0], &sum);
+        close(&what("all-reduce mean"), &got[1], &mean);
         close(
-            "reduce-scatter",
+            &what("reduce-scatter"),
             &got[2],
             &sum[me * chunk..(me + 1) * chunk],
         );
-        close("all-reduce sum", &got[0], &sum);
-        close("all-reduce mean", &got[1], &mean);
-        close("all-gather", &got[3], &gathered);
-        close("broadcast", &got[4], &parts[dp - 1]);
-        close("pipeline all-reduce", &got[5], &pipe);
+        close(&what("all-gather"), &got[3], &gathered);
+        close(&what("broadcast"), &got[4], &parts[size - 1]);
     }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn data_parallel_collectives_on_nccl_match_host_values() {
+    let dp = gpus();
+    // One replica per GPU (a group of one on a single-GPU machine), two pipeline ranks each
+    // on its replica's GPU: the data-parallel groups are NCCL communicators, the pipeline
+    // groups (two ranks on one GPU) stay on the host path.
+    let grid = RankGrid::new(2, dp).expect("grid");
+    check_group(grid, |r| grid.dp_index(r), Group::DataParallel, true);
+    check_group(grid, |r| grid.dp_index(r), Group::Pipeline, false);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn pipeline_collectives_on_nccl_match_host_values() {
+    let pp = gpus();
+    // One pipeline rank per GPU: the pipeline group is an NCCL communicator (of one member
+    // on a single-GPU machine).
+    let grid = RankGrid::new(pp, 1).expect("grid");
+    check_group(grid, |r| grid.pp_index(r), Group::Pipeline, true);
 }

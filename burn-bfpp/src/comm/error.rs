@@ -117,6 +117,17 @@ pub enum CommError {
         /// What went wrong.
         reason: String,
     },
+    /// An NCCL call failed, or did not finish within the timeout (its communicator was then
+    /// aborted, so the rank does not hang on a dead peer).
+    #[error("rank {rank}: {action}: NCCL: {reason}")]
+    Nccl {
+        /// The rank that made the call.
+        rank: usize,
+        /// The call.
+        action: CommOp,
+        /// What NCCL or CUDA reported.
+        reason: String,
+    },
     /// The requested world cannot be built.
     #[error("invalid rank grid pp={pp} × dp={dp}: {reason}")]
     InvalidGrid {

@@ -101,6 +101,13 @@ impl<B: Backend> LocalComm<B> {
         self.mbox.shared()
     }
 
+    /// Records `err` as this rank's failure (aborting the world, so every peer stops) and
+    /// returns it, for communicators layered on this one.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fail(&self, err: CommError) -> CommError {
+        self.mbox.fail(err)
+    }
+
     pub(crate) fn invalid(&self, action: CommOp, reason: String) -> CommError {
         self.mbox.fail(CommError::InvalidArgument {
             rank: self.mbox.rank(),

@@ -37,8 +37,6 @@
 //! implements it for ranks that are processes started by `mpirun`/`srun`, with the same
 //! semantics and bitwise the same results.
 
-#[cfg(any(feature = "cuda", test))]
-mod by_all_reduce;
 mod error;
 mod host;
 mod local;
@@ -47,6 +45,8 @@ mod mailbox;
 mod mpi;
 #[cfg(feature = "cuda")]
 mod nccl;
+#[cfg(feature = "cuda")]
+mod nccl_group;
 mod store;
 mod threads;
 #[cfg(feature = "mpi")]
@@ -55,9 +55,9 @@ mod wire;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
-mod tests_by_all_reduce;
-#[cfg(test)]
 mod tests_failure;
+#[cfg(test)]
+mod tests_nccl_checks;
 
 use std::fmt;
 use std::time::Duration;
@@ -301,18 +301,30 @@ pub fn check_distinct_devices<Id: PartialEq + fmt::Display>(
     }
     for pp_index in 0..grid.pp() {
         let members = grid.group_members(pp_index, Group::DataParallel);
-        for (i, &a) in members.iter().enumerate() {
-            if let Some(&b) = members[i + 1..].iter().find(|&&b| ids[b] == ids[a]) {
-                return Err(invalid(format!(
-                    "ranks {a} and {b} are replicas of one pipeline rank on the same device \
-                     ({}); NCCL needs each data-parallel group on distinct GPUs: give every \
-                     replica its own GPU (--gpus ≥ --dp), or use LocalComm for ranks sharing one",
-                    ids[a]
-                )));
-            }
+        if let Some((a, b)) = first_shared_device(&members, ids) {
+            return Err(invalid(format!(
+                "ranks {a} and {b} are replicas of one pipeline rank on the same device \
+                 ({}); NCCL needs each data-parallel group on distinct GPUs: give every \
+                 replica its own GPU (--gpus ≥ --dp), or use LocalComm for ranks sharing one",
+                ids[a]
+            )));
         }
     }
     Ok(())
+}
+
+/// The first two of `members` (world ranks) whose devices in `ids` are the same, if any:
+/// such a group cannot be one NCCL communicator.
+pub(crate) fn first_shared_device<Id: PartialEq>(
+    members: &[usize],
+    ids: &[Id],
+) -> Option<(usize, usize)> {
+    members.iter().enumerate().find_map(|(i, &a)| {
+        members[i + 1..]
+            .iter()
+            .find(|&&b| ids[b] == ids[a])
+            .map(|&b| (a, b))
+    })
 }
 
 /// One rank's handle on the world: point-to-point transfers and group collectives.

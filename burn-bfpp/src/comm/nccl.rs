@@ -1,62 +1,60 @@
 //! [`NcclComm`] (feature `cuda`): ranks are threads of one process, each on a CUDA device,
-//! and the data-parallel collectives run as NCCL all-reduces directly on the device buffers
-//! of Burn's CUDA tensors.
+//! and the group collectives run on NCCL directly on the device buffers of Burn's CUDA
+//! tensors.
 //!
-//! The NCCL calls go through CubeCL 0.10's CUDA server, which owns the communicators (one per
-//! set of devices, created on first use), reaches the buffers through its memory pools and
-//! orders the call against its compute stream: the all-reduce waits on a fence of the stream
-//! that produced the input, runs on the server's communication stream, and
-//! `sync_collective` makes later compute wait for it. No host copy and no host
-//! synchronisation. CubeCL exposes only the all-reduce, so all-gather, reduce-scatter and
-//! broadcast are built from it ([`super::by_all_reduce`]), at about twice the traffic of the
-//! dedicated collectives.
+//! Every group whose members are on distinct GPUs gets its own NCCL communicator (one per
+//! data-parallel group, one per pipeline group), created with `ncclCommInitAll`; each rank
+//! holds its member ([`super::nccl_group`]). All-reduce, all-gather, reduce-scatter and
+//! broadcast are NCCL's own collectives: no host copy, and the traffic of the dedicated
+//! collective. A pipeline group whose ranks share a GPU (several stages on one GPU) cannot be
+//! an NCCL communicator (NCCL refuses two members on one device) and keeps the host path of
+//! [`LocalComm`]; data-parallel groups must span distinct GPUs (checked at creation).
 //!
-//! Everything else — pipeline transfers, pipeline-group collectives, barriers, failure
-//! propagation — is the [`LocalComm`] of the same world (host memory). Before each NCCL
-//! call the members check through it that they all issue the same collective on the same
-//! shape, so a mismatched or failed peer is reported by rank and action instead of hanging
-//! the device in NCCL.
+//! Pipeline transfers, barriers and failure propagation are the [`LocalComm`] of the same
+//! world: host memory between GPUs, the tensor itself between ranks sharing one. Before each
+//! NCCL call the members check through it that they all issue the same collective on the
+//! same shape, so a mismatched or failed peer is reported by rank and action instead of
+//! hanging the device in NCCL; a peer that dies inside the call ends it at the timeout, with
+//! the communicator aborted.
 //!
-//! Limits: NCCL refuses two members of one communicator on the same GPU, so every
-//! data-parallel group must span distinct GPUs (checked at creation); an error inside
-//! CubeCL's server thread (such as a failing NCCL call) panics there rather than returning
-//! here; NCCL sums are not taken in group-rank order, so results match [`LocalComm`] to
-//! rounding, not bitwise.
+//! NCCL sums are not taken in group-rank order, so results match [`LocalComm`] to rounding,
+//! not bitwise.
 
+use std::cell::RefCell;
 use std::fmt;
 
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::{Tensor, TensorPrimitive};
-use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::CudaRuntime;
-use cubecl::device::{Device as _, DeviceId};
-use cubecl::ir::StorageType;
-use cubecl::server::ReduceOperation;
 
+use super::nccl_group::{NcclFailure, NcclMember};
 use super::threads::{ThreadRank, World};
 use super::{
-    by_all_reduce, CommConfig, CommError, CommOp, Communicator, Group, LocalComm, RankGrid,
+    first_shared_device, CommConfig, CommError, CommOp, Communicator, Group, LocalComm, RankGrid,
     ReduceOp,
 };
 
 /// Burn's CUDA backend (the CubeCL one, without fusion) with the given element types.
 pub type CudaBackend<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
 
-/// A rank of a world of threads on CUDA devices whose data-parallel collectives run on NCCL;
-/// see the [module docs](self).
+/// A rank of a world of threads on CUDA devices whose group collectives run on NCCL; see the
+/// [module docs](self).
 pub struct NcclComm<F: FloatElement, I: IntElement, BT: BoolElement> {
     local: LocalComm<CudaBackend<F, I, BT>>,
-    /// The CubeCL device ids of this rank's data-parallel group, in group-rank order.
-    dp_devices: Vec<DeviceId>,
+    /// This rank's member of its data-parallel group's communicator.
+    dp: RefCell<NcclMember>,
+    /// Its member of its pipeline group's communicator, when that group spans distinct GPUs.
+    pp: Option<RefCell<NcclMember>>,
 }
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> fmt::Debug for NcclComm<F, I, BT> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NcclComm")
             .field("local", &self.local)
-            .field("dp_devices", &self.dp_devices)
+            .field("dp", &self.dp)
+            .field("pp", &self.pp)
             .finish()
     }
 }
@@ -78,31 +76,70 @@ pub fn nccl_available() -> Result<(), CommError> {
     }
 }
 
+/// Creates one communicator for each group of `group` whose members' devices are distinct,
+/// and returns every world rank's member (`None` for ranks of a group sharing a GPU).
+fn members_of(
+    grid: RankGrid,
+    ordinals: &[i32],
+    group: Group,
+) -> Result<Vec<Option<NcclMember>>, CommError> {
+    let mut out: Vec<Option<NcclMember>> = (0..grid.world_size()).map(|_| None).collect();
+    let firsts: Vec<usize> = match group {
+        Group::DataParallel => (0..grid.pp()).collect(),
+        Group::Pipeline => (0..grid.dp()).map(|d| grid.rank_of(0, d)).collect(),
+    };
+    for first in firsts {
+        let members = grid.group_members(first, group);
+        if first_shared_device(&members, ordinals).is_some() {
+            continue;
+        }
+        let devices: Vec<i32> = members.iter().map(|&r| ordinals[r]).collect();
+        let created = NcclMember::init_all(&devices).map_err(|reason| CommError::Unavailable {
+            what: format!("an NCCL communicator for the {group} of ranks {members:?}"),
+            fix: format!(
+                "{reason}; check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)"
+            ),
+        })?;
+        for (rank, member) in members.into_iter().zip(created) {
+            out[rank] = Some(member);
+        }
+    }
+    Ok(out)
+}
+
 impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
     /// One communicator per world rank (index = world rank); rank `r` computes on
     /// `devices[r]`. Fails if NCCL cannot be loaded, if `devices` does not hold one device
-    /// per rank, or if two members of a data-parallel group share a GPU.
+    /// per rank, if two members of a data-parallel group share a GPU, or if NCCL cannot
+    /// create a group's communicator.
     pub fn create(
         grid: RankGrid,
         devices: Vec<CudaDevice>,
         config: CommConfig,
     ) -> Result<Vec<Self>, CommError> {
-        let ids: Vec<DeviceId> = devices.iter().map(|d| d.to_id()).collect();
+        let ids: Vec<_> = devices.iter().map(|d| d.index).collect();
         super::check_distinct_devices(grid, &ids)?;
         nccl_available()?;
+        let ordinals: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let dp = members_of(grid, &ordinals, Group::DataParallel)?;
+        let pp = members_of(grid, &ordinals, Group::Pipeline)?;
         let locals = LocalComm::create_with_devices(grid, devices, config)?;
-        Ok(locals
+        locals
             .into_iter()
-            .enumerate()
-            .map(|(rank, local)| NcclComm {
-                local,
-                dp_devices: grid
-                    .group_members(rank, Group::DataParallel)
-                    .into_iter()
-                    .map(|r| ids[r])
-                    .collect(),
+            .zip(dp.into_iter().zip(pp))
+            .map(|(local, (dp, pp))| {
+                let dp = dp.ok_or_else(|| CommError::InvalidGrid {
+                    pp: grid.pp(),
+                    dp: grid.dp(),
+                    reason: format!("rank {} has no data-parallel communicator", local.rank()),
+                })?;
+                Ok(NcclComm {
+                    local,
+                    dp: RefCell::new(dp),
+                    pp: pp.map(RefCell::new),
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// The host-memory communicator of the same world (pipeline transfers, barriers).
@@ -110,37 +147,46 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
         &self.local
     }
 
-    /// The NCCL all-reduce of `tensor` over the data-parallel group, after checking that
-    /// every member issues `action` on the same shape.
-    fn all_reduce_tensor<const D: usize>(
+    /// Whether `group`'s collectives run on NCCL (otherwise on the host path).
+    pub fn on_nccl(&self, group: Group) -> bool {
+        match group {
+            Group::DataParallel => true,
+            Group::Pipeline => self.pp.is_some(),
+        }
+    }
+
+    fn member(&self, group: Group) -> Option<&RefCell<NcclMember>> {
+        match group {
+            Group::DataParallel => Some(&self.dp),
+            Group::Pipeline => self.pp.as_ref(),
+        }
+    }
+
+    /// Runs `call` on `group`'s NCCL member after every member agreed on `action` and the
+    /// input's shape; an NCCL failure aborts the world with an error naming this rank.
+    fn nccl<const D: usize, const E: usize>(
         &self,
+        group: Group,
         action: CommOp,
         tensor: Tensor<CudaBackend<F, I, BT>, D>,
-        op: ReduceOp,
-    ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
-        self.local
-            .agree(Group::DataParallel, action, &tensor.dims())?;
-        let input = into_contiguous(tensor.into_primitive().tensor());
-        let output = empty_device_dtype(
-            input.client.clone(),
-            input.device.clone(),
-            input.meta.shape().clone(),
-            input.dtype,
-        );
-        let op = match op {
-            ReduceOp::Sum => ReduceOperation::Sum,
-            ReduceOp::Mean => ReduceOperation::Mean,
-        };
-        let mut client = input.client.clone();
-        client.all_reduce(
-            input.handle.clone(),
-            output.handle.clone(),
-            StorageType::from(input.dtype).elem_type(),
-            self.dp_devices.clone(),
-            op,
-        );
-        // Later work on this stream waits for the communication stream; the host does not.
-        client.sync_collective();
+        call: impl FnOnce(
+            &mut NcclMember,
+            CubeTensor<CudaRuntime>,
+        ) -> Result<CubeTensor<CudaRuntime>, NcclFailure>,
+    ) -> Result<Tensor<CudaBackend<F, I, BT>, E>, CommError> {
+        let member = self.member(group).ok_or_else(|| {
+            self.local
+                .invalid(action, format!("the {group} has no NCCL communicator"))
+        })?;
+        self.local.agree(group, action, &tensor.dims())?;
+        let input = tensor.into_primitive().tensor();
+        let output = call(&mut member.borrow_mut(), input).map_err(|reason| {
+            self.local.fail(CommError::Nccl {
+                rank: self.local.rank(),
+                action,
+                reason,
+            })
+        })?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
     }
 }
@@ -192,12 +238,12 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         group: Group,
         shard: Tensor<CudaBackend<F, I, BT>, 1>,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, CommError> {
-        if group == Group::Pipeline {
+        if !self.on_nccl(group) {
             return self.local.all_gather(group, shard);
         }
-        let (me, size) = (self.group_rank(group), self.group_size(group));
-        by_all_reduce::all_gather(shard, me, size, |placed| {
-            self.all_reduce_tensor(CommOp::AllGather(group), placed, ReduceOp::Sum)
+        let timeout = self.local.config().timeout;
+        self.nccl(group, CommOp::AllGather(group), shard, |m, t| {
+            m.all_gather(t, timeout)
         })
     }
 
@@ -207,11 +253,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         tensor: Tensor<CudaBackend<F, I, BT>, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, CommError> {
-        if group == Group::Pipeline {
+        if !self.on_nccl(group) {
             return self.local.reduce_scatter(group, tensor, op);
         }
         let action = CommOp::ReduceScatter(group, op);
-        let (me, size) = (self.group_rank(group), self.group_size(group));
+        let size = self.group_size(group);
         let len = tensor.dims()[0];
         if len % size != 0 {
             return Err(self.local.invalid(
@@ -219,7 +265,10 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
                 format!("length {len} is not divisible by the group size {size}"),
             ));
         }
-        by_all_reduce::reduce_scatter(tensor, me, size, |t| self.all_reduce_tensor(action, t, op))
+        let timeout = self.local.config().timeout;
+        self.nccl(group, action, tensor, |m, t| {
+            m.reduce_scatter(t, op, timeout)
+        })
     }
 
     fn all_reduce<const D: usize>(
@@ -228,10 +277,13 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         tensor: Tensor<CudaBackend<F, I, BT>, D>,
         op: ReduceOp,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
-        if group == Group::Pipeline {
+        if !self.on_nccl(group) {
             return self.local.all_reduce(group, tensor, op);
         }
-        self.all_reduce_tensor(CommOp::AllReduce(group, op), tensor, op)
+        let timeout = self.local.config().timeout;
+        self.nccl(group, CommOp::AllReduce(group, op), tensor, |m, t| {
+            m.all_reduce(t, op, timeout)
+        })
     }
 
     fn broadcast<const D: usize>(
@@ -240,13 +292,13 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         root: usize,
         tensor: Tensor<CudaBackend<F, I, BT>, D>,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
-        if group == Group::Pipeline || root >= self.group_size(group) {
+        if !self.on_nccl(group) || root >= self.group_size(group) {
             // The host path also reports an out-of-range root.
             return self.local.broadcast(group, root, tensor);
         }
-        let is_root = self.group_rank(group) == root;
-        by_all_reduce::broadcast(tensor, is_root, |t| {
-            self.all_reduce_tensor(CommOp::Broadcast(group, root), t, ReduceOp::Sum)
+        let timeout = self.local.config().timeout;
+        self.nccl(group, CommOp::Broadcast(group, root), tensor, |m, t| {
+            m.broadcast(t, root, timeout)
         })
     }
 

@@ -304,7 +304,7 @@ where
 
 /// [`train_local_on`] over communicators the caller created, one per world rank of a
 /// `cfg.pp × cfg.dp` world of threads (any [`ThreadRank`] communicator: [`LocalComm`], or
-/// `NcclComm` with feature `cuda`, which runs the data-parallel collectives on NCCL). Each
+/// `NcclComm` with feature `cuda`, which runs the group collectives on NCCL). Each
 /// rank computes on its communicator's device; the returned model is on the device of
 /// `model`.
 #[allow(clippy::too_many_arguments)]

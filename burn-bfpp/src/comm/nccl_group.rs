@@ -1,0 +1,337 @@
+//! One rank's member of an NCCL communicator over one of its groups, and the collectives on
+//! the device buffers of Burn CUDA tensors through it.
+//!
+//! Each member owns its communicator and a CUDA stream of its own. A collective takes the
+//! input's device pointer from CubeCL's memory pool, waits for the rank's queued compute
+//! (`Backend::sync`, since CubeCL does not expose its streams to order against), launches the
+//! NCCL call on the member's stream and waits for that stream before the output tensor is
+//! handed back, so later kernels read finished data. No host copy. The wait polls the stream
+//! and NCCL's asynchronous error state, and past the world's timeout aborts the communicator:
+//! a peer that dies inside a collective ends this rank with an error instead of a hang.
+//!
+//! Because every member waits for its call to finish before issuing the next, no two NCCL
+//! calls of one rank are ever in flight together, so the order in which members issue them
+//! (the same on every member, as for every collective of the engine) is the only ordering
+//! NCCL needs.
+
+use std::ffi::c_void;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use burn::tensor::DType;
+use burn::tensor::Shape;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use cudarc::driver::{result as cu, sys as cusys};
+use cudarc::nccl::{result as nccl, sys as nsys};
+
+use super::ReduceOp;
+
+/// Why an NCCL call failed, before the caller adds its rank and action.
+pub(crate) type NcclFailure = String;
+
+/// One rank's member of an NCCL communicator; see the [module docs](self).
+pub(crate) struct NcclMember {
+    comm: nsys::ncclComm_t,
+    stream: cusys::CUstream,
+    context: cusys::CUcontext,
+    ordinal: i32,
+    group_rank: usize,
+    group_size: usize,
+    /// Set once the communicator was aborted; it cannot be used or destroyed after that.
+    aborted: bool,
+}
+
+// SAFETY: the communicator, stream and context are plain handles; a member is used by one
+// thread at a time (it moves into its rank's thread), which makes the context current before
+// every call, as NCCL and CUDA require.
+unsafe impl Send for NcclMember {}
+
+impl fmt::Debug for NcclMember {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclMember")
+            .field("gpu", &self.ordinal)
+            .field("group_rank", &self.group_rank)
+            .field("group_size", &self.group_size)
+            .field("aborted", &self.aborted)
+            .finish()
+    }
+}
+
+impl NcclMember {
+    /// The members of one group whose ranks are threads of this process, one per GPU in
+    /// `ordinals` (group-rank order), created together by `ncclCommInitAll`. NCCL refuses
+    /// two members on one GPU; callers check that first.
+    pub(crate) fn init_all(ordinals: &[i32]) -> Result<Vec<NcclMember>, NcclFailure> {
+        let n = ordinals.len();
+        let mut comms: Vec<nsys::ncclComm_t> = vec![std::ptr::null_mut(); n];
+        // SAFETY: `comms` has room for one communicator per device in `ordinals`.
+        unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n as i32, ordinals.as_ptr()) }
+            .map_err(|e| format!("ncclCommInitAll on GPUs {ordinals:?}: {e:?}"))?;
+        let mut members = Vec::with_capacity(n);
+        for (group_rank, (&comm, &ordinal)) in comms.iter().zip(ordinals).enumerate() {
+            match Self::with_stream(comm, ordinal, group_rank, n) {
+                Ok(member) => members.push(member),
+                Err(e) => {
+                    // SAFETY: the communicators not yet owned by a member were created above
+                    // and are destroyed once.
+                    for &rest in &comms[group_rank..] {
+                        let _ = unsafe { nccl::comm_destroy(rest) };
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(members)
+    }
+
+    fn with_stream(
+        comm: nsys::ncclComm_t,
+        ordinal: i32,
+        group_rank: usize,
+        group_size: usize,
+    ) -> Result<NcclMember, NcclFailure> {
+        let cuda = |what: &str, e: cudarc::driver::DriverError| format!("{what}: {e:?}");
+        // SAFETY: the device ordinal names a device NCCL just opened; the primary context is
+        // retained for the member's lifetime and released in `Drop`.
+        unsafe {
+            cu::init().map_err(|e| cuda("cuInit", e))?;
+            let device = cu::device::get(ordinal).map_err(|e| cuda("cuDeviceGet", e))?;
+            let context =
+                cu::primary_ctx::retain(device).map_err(|e| cuda("cuDevicePrimaryCtxRetain", e))?;
+            cu::ctx::set_current(context).map_err(|e| cuda("cuCtxSetCurrent", e))?;
+            let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+                .map_err(|e| cuda("cuStreamCreate", e))?;
+            Ok(NcclMember {
+                comm,
+                stream,
+                context,
+                ordinal,
+                group_rank,
+                group_size,
+                aborted: false,
+            })
+        }
+    }
+
+    /// Sum or mean over the group, elementwise.
+    pub(crate) fn all_reduce(
+        &mut self,
+        input: CubeTensor<CudaRuntime>,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+        let (input, output) = self.prepare(input, |shape| shape)?;
+        let (count, ty) = (input.meta.shape().num_elements(), nccl_type(input.dtype)?);
+        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
+            // SAFETY: both buffers hold `count` elements of `ty` on this member's GPU.
+            unsafe { nccl::all_reduce(send, recv, count, ty, reduce_op(op), comm, stream) }
+        })?;
+        Ok(output)
+    }
+
+    /// The members' shards of `shard.len()` elements each, concatenated in group-rank order.
+    pub(crate) fn all_gather(
+        &mut self,
+        shard: CubeTensor<CudaRuntime>,
+        timeout: Duration,
+    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+        let size = self.group_size;
+        let (input, output) = self.prepare(shard, |n| n * size)?;
+        let (count, ty) = (input.meta.shape().num_elements(), nccl_type(input.dtype)?);
+        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
+            // SAFETY: `send` holds `count` elements and `recv` `count × size`.
+            unsafe { nccl::all_gather(send, recv, count, ty, comm, stream) }
+        })?;
+        Ok(output)
+    }
+
+    /// This member's chunk (group-rank order) of the group's reduction of `tensor`, whose
+    /// length the caller checked to be divisible by the group size.
+    pub(crate) fn reduce_scatter(
+        &mut self,
+        tensor: CubeTensor<CudaRuntime>,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+        let size = self.group_size;
+        let (input, output) = self.prepare(tensor, |n| n / size)?;
+        let (count, ty) = (output.meta.shape().num_elements(), nccl_type(input.dtype)?);
+        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
+            // SAFETY: `send` holds `count × size` elements and `recv` `count`.
+            unsafe { nccl::reduce_scatter(send, recv, count, ty, reduce_op(op), comm, stream) }
+        })?;
+        Ok(output)
+    }
+
+    /// The tensor of group rank `root`, on every member.
+    pub(crate) fn broadcast(
+        &mut self,
+        tensor: CubeTensor<CudaRuntime>,
+        root: usize,
+        timeout: Duration,
+    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+        let (input, output) = self.prepare(tensor, |n| n)?;
+        let (count, ty) = (input.meta.shape().num_elements(), nccl_type(input.dtype)?);
+        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
+            // SAFETY: both buffers hold `count` elements of `ty`.
+            unsafe { nccl::broadcast(send, recv, count, ty, root as i32, comm, stream) }
+        })?;
+        Ok(output)
+    }
+
+    /// The contiguous input and a fresh output whose first (only, for 1-D) dimension is
+    /// `len(first)`; other dimensions are kept.
+    fn prepare(
+        &self,
+        tensor: CubeTensor<CudaRuntime>,
+        len: impl Fn(usize) -> usize,
+    ) -> Result<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>), NcclFailure> {
+        if self.aborted {
+            return Err("the NCCL communicator was aborted by an earlier failure".into());
+        }
+        let input = into_contiguous(tensor);
+        let mut dims: Vec<usize> = input.meta.shape().iter().copied().collect();
+        if let Some(first) = dims.first_mut() {
+            *first = len(*first);
+        }
+        let output = empty_device_dtype(
+            input.client.clone(),
+            input.device.clone(),
+            Shape::from(dims),
+            input.dtype,
+        );
+        Ok((input, output))
+    }
+
+    /// Runs one NCCL call from `input`'s buffer into `output`'s on this member's stream and
+    /// waits for it; see the module docs for the ordering and the timeout.
+    fn launch(
+        &mut self,
+        input: &CubeTensor<CudaRuntime>,
+        output: &CubeTensor<CudaRuntime>,
+        timeout: Duration,
+        call: impl FnOnce(
+            *const c_void,
+            *mut c_void,
+            nsys::ncclComm_t,
+            nsys::cudaStream_t,
+        ) -> Result<nccl::NcclStatus, nccl::NcclError>,
+    ) -> Result<(), NcclFailure> {
+        let resource = |t: &CubeTensor<CudaRuntime>| {
+            t.client
+                .get_resource(t.handle.clone())
+                .map_err(|e| format!("device buffer of the tensor: {e:?}"))
+        };
+        // Held until the call finished: they keep both allocations alive and unmoved.
+        let send = resource(input)?;
+        let recv = resource(output)?;
+        wait_for_producers(input)?;
+        // SAFETY: the context was retained at creation; the pointers are live device buffers
+        // of this GPU (held above), the stream and communicator belong to this member.
+        unsafe {
+            cu::ctx::set_current(self.context).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+            call(
+                send.resource().ptr as *const c_void,
+                recv.resource().ptr as *mut c_void,
+                self.comm,
+                self.stream as nsys::cudaStream_t,
+            )
+            .map_err(|e| format!("launch: {e:?}"))?;
+        }
+        self.wait(timeout)
+    }
+
+    /// Polls the member's stream until the call finished, NCCL reported an error, or
+    /// `timeout` passed; on error or timeout the communicator is aborted (which also ends the
+    /// kernel waiting for a peer), so this rank never hangs in NCCL.
+    fn wait(&mut self, timeout: Duration) -> Result<(), NcclFailure> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(5);
+        loop {
+            // SAFETY: the stream and communicator are this member's, with its context current.
+            let done = unsafe { cusys::cuStreamQuery(self.stream) };
+            match done {
+                cusys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cusys::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => return Err(self.abort(format!("CUDA stream error {other:?}"))),
+            }
+            let mut state = nsys::ncclResult_t::ncclSuccess;
+            // SAFETY: as above.
+            let asked = unsafe { nsys::ncclCommGetAsyncError(self.comm, &mut state) };
+            if asked != nsys::ncclResult_t::ncclSuccess {
+                return Err(self.abort(format!("ncclCommGetAsyncError: {asked:?}")));
+            }
+            if !matches!(
+                state,
+                nsys::ncclResult_t::ncclSuccess | nsys::ncclResult_t::ncclInProgress
+            ) {
+                return Err(self.abort(format!("NCCL reported {state:?}")));
+            }
+            if start.elapsed() > timeout {
+                return Err(self.abort(format!(
+                    "did not complete within {timeout:?} (a member stalled or died)"
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// Aborts the communicator (NCCL's way out of a call a peer never joins) and returns
+    /// `reason` with what happened.
+    fn abort(&mut self, reason: String) -> NcclFailure {
+        self.aborted = true;
+        // SAFETY: the communicator is this member's and is not used after this.
+        match unsafe { nccl::comm_abort(self.comm) } {
+            Ok(_) => format!("{reason}; communicator aborted"),
+            Err(e) => format!("{reason}; aborting the communicator failed too: {e:?}"),
+        }
+    }
+}
+
+impl Drop for NcclMember {
+    fn drop(&mut self) {
+        // SAFETY: the handles are this member's and are released once; an aborted
+        // communicator is already freed by the abort.
+        unsafe {
+            let _ = cu::ctx::set_current(self.context);
+            if !self.aborted {
+                let _ = nccl::comm_destroy(self.comm);
+            }
+            let _ = cu::stream::destroy(self.stream);
+            if let Ok(device) = cu::device::get(self.ordinal) {
+                let _ = cu::primary_ctx::release(device);
+            }
+        }
+    }
+}
+
+/// Waits until the compute queued on `tensor`'s device by this thread has finished, so the
+/// input buffer holds its final values when NCCL reads it.
+fn wait_for_producers(tensor: &CubeTensor<CudaRuntime>) -> Result<(), NcclFailure> {
+    cubecl::future::block_on(tensor.client.sync())
+        .map_err(|e| format!("waiting for the input's producers: {e:?}"))
+}
+
+/// NCCL's element type for a Burn float type.
+fn nccl_type(dtype: DType) -> Result<nsys::ncclDataType_t, NcclFailure> {
+    Ok(match dtype {
+        DType::F32 => nsys::ncclDataType_t::ncclFloat32,
+        DType::F16 => nsys::ncclDataType_t::ncclFloat16,
+        DType::BF16 => nsys::ncclDataType_t::ncclBfloat16,
+        DType::F64 => nsys::ncclDataType_t::ncclFloat64,
+        other => return Err(format!("no NCCL element type for {other:?}")),
+    })
+}
+
+/// NCCL's reduction for ours: `Mean` is NCCL's `ncclAvg` (sum, then divide by the group
+/// size).
+fn reduce_op(op: ReduceOp) -> nsys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => nsys::ncclRedOp_t::ncclSum,
+        ReduceOp::Mean => nsys::ncclRedOp_t::ncclAvg,
+    }
+}

@@ -1,0 +1,63 @@
+//! The checks `NcclComm` relies on, on the CPU: the call agreement before each NCCL call, and
+//! which groups can be NCCL communicators (members on distinct devices).
+
+use std::time::Duration;
+
+use super::tests::world;
+use super::*;
+
+#[test]
+fn agreement_reports_a_different_collective_or_shape() {
+    let group = Group::DataParallel;
+    let op = CommOp::AllReduce(group, ReduceOp::Sum);
+    // Same call and shape everywhere: passes.
+    run_ranks(world(1, 3, Duration::from_secs(10)), |comm| {
+        comm.agree(group, op, &[4, 5])
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    // Rank 1 issues another collective.
+    let err = run_ranks(world(1, 2, Duration::from_secs(10)), |comm| {
+        let action = if comm.rank() == 1 {
+            CommOp::AllGather(group)
+        } else {
+            op
+        };
+        comm.agree(group, action, &[4])
+    })
+    .expect_err("different collectives must fail");
+    assert!(err.to_string().contains("all-gather"), "{err}");
+    // Rank 1 passes another shape: a shape mismatch naming both shapes.
+    let err = run_ranks(world(1, 2, Duration::from_secs(10)), |comm| {
+        let shape: &[usize] = if comm.rank() == 1 { &[4, 6] } else { &[4, 5] };
+        comm.agree(group, op, shape)
+    })
+    .expect_err("different shapes must fail");
+    let text = err.to_string();
+    assert!(text.contains("[4, 6]") && text.contains("[4, 5]"), "{text}");
+}
+
+#[test]
+fn nccl_groups_must_span_distinct_devices() {
+    let grid = RankGrid::new(2, 2).unwrap();
+    // Replica d on device d: both data-parallel groups span devices 0 and 1.
+    assert!(check_distinct_devices(grid, &[0, 0, 1, 1]).is_ok());
+    // Pipeline rank 1's replicas (world ranks 1 and 3) share device 1.
+    let err = check_distinct_devices(grid, &[0, 1, 2, 1])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ranks 1 and 3") && err.contains("distinct GPUs"),
+        "{err}"
+    );
+    assert!(check_distinct_devices(grid, &[0, 1, 2]).is_err());
+    // Groups of one rank never conflict, whatever the devices.
+    assert!(check_distinct_devices(RankGrid::new(4, 1).unwrap(), &[0, 0, 0, 0]).is_ok());
+    // Pipeline groups are checked member by member: NcclComm keeps a group whose members
+    // share a GPU (stages on one GPU) on the host path.
+    assert_eq!(first_shared_device(&[0, 1, 2, 3], &[0, 1, 2, 3]), None);
+    assert_eq!(
+        first_shared_device(&[0, 1, 2, 3], &[5, 6, 7, 6]),
+        Some((1, 3))
+    );
+    assert_eq!(first_shared_device(&[2], &[0, 0, 0]), None);
+}
