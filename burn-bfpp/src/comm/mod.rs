@@ -313,6 +313,42 @@ pub fn check_distinct_devices<Id: PartialEq + fmt::Display>(
     Ok(())
 }
 
+/// Builds one communicator per group of kind `group` whose members are on distinct devices
+/// (`ids`, by world rank), with `create` given the group's devices in group-rank order and
+/// returning one member per device; returns every world rank's member, `None` for the ranks
+/// of groups sharing a device. On failure, the group's world ranks and `create`'s error.
+/// Generic over the member type so that the wiring is tested without GPUs.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn group_wiring<Id: PartialEq + Copy, M>(
+    grid: RankGrid,
+    ids: &[Id],
+    group: Group,
+    mut create: impl FnMut(&[Id]) -> Result<Vec<M>, String>,
+) -> Result<Vec<Option<M>>, (Vec<usize>, String)> {
+    let mut out: Vec<Option<M>> = (0..grid.world_size()).map(|_| None).collect();
+    // One rank of each group: the group's first member.
+    let firsts: Vec<usize> = match group {
+        Group::DataParallel => (0..grid.pp()).map(|p| grid.rank_of(p, 0)).collect(),
+        Group::Pipeline => (0..grid.dp()).map(|d| grid.rank_of(0, d)).collect(),
+    };
+    for first in firsts {
+        let members = grid.group_members(first, group);
+        if first_shared_device(&members, ids).is_some() {
+            continue;
+        }
+        let devices: Vec<Id> = members.iter().map(|&r| ids[r]).collect();
+        let created = create(&devices).map_err(|e| (members.clone(), e))?;
+        if created.len() != members.len() {
+            let reason = format!("{} members made for {} ranks", created.len(), members.len());
+            return Err((members, reason));
+        }
+        for (rank, member) in members.into_iter().zip(created) {
+            out[rank] = Some(member);
+        }
+    }
+    Ok(out)
+}
+
 /// The first two of `members` (world ranks) whose devices in `ids` are the same, if any:
 /// such a group cannot be one NCCL communicator.
 pub(crate) fn first_shared_device<Id: PartialEq>(

@@ -31,10 +31,7 @@ use cubecl::cuda::CudaRuntime;
 
 use super::nccl_group::{NcclFailure, NcclMember};
 use super::threads::{ThreadRank, World};
-use super::{
-    first_shared_device, CommConfig, CommError, CommOp, Communicator, Group, LocalComm, RankGrid,
-    ReduceOp,
-};
+use super::{CommConfig, CommError, CommOp, Communicator, Group, LocalComm, RankGrid, ReduceOp};
 
 /// Burn's CUDA backend (the CubeCL one, without fusion) with the given element types.
 pub type CudaBackend<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
@@ -83,28 +80,13 @@ fn members_of(
     ordinals: &[i32],
     group: Group,
 ) -> Result<Vec<Option<NcclMember>>, CommError> {
-    let mut out: Vec<Option<NcclMember>> = (0..grid.world_size()).map(|_| None).collect();
-    let firsts: Vec<usize> = match group {
-        Group::DataParallel => (0..grid.pp()).collect(),
-        Group::Pipeline => (0..grid.dp()).map(|d| grid.rank_of(0, d)).collect(),
-    };
-    for first in firsts {
-        let members = grid.group_members(first, group);
-        if first_shared_device(&members, ordinals).is_some() {
-            continue;
-        }
-        let devices: Vec<i32> = members.iter().map(|&r| ordinals[r]).collect();
-        let created = NcclMember::init_all(&devices).map_err(|reason| CommError::Unavailable {
-            what: format!("an NCCL communicator for the {group} of ranks {members:?}"),
-            fix: format!(
-                "{reason}; check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)"
-            ),
-        })?;
-        for (rank, member) in members.into_iter().zip(created) {
-            out[rank] = Some(member);
-        }
-    }
-    Ok(out)
+    super::group_wiring(grid, ordinals, group, |devices| {
+        NcclMember::init_all(devices)
+    })
+    .map_err(|(members, reason)| CommError::Unavailable {
+        what: format!("an NCCL communicator for the {group} of ranks {members:?}"),
+        fix: format!("{reason}; check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)"),
+    })
 }
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {

@@ -61,3 +61,53 @@ fn nccl_groups_must_span_distinct_devices() {
     );
     assert_eq!(first_shared_device(&[2], &[0, 0, 0]), None);
 }
+
+#[test]
+fn every_group_on_distinct_devices_gets_one_communicator_with_its_ranks_in_group_order() {
+    // pp 2 × dp 3; world rank = dp_index · 2 + pp_index. Rank r on device 10 + r: every
+    // group is on distinct devices.
+    let grid = RankGrid::new(2, 3).unwrap();
+    let ids: Vec<i32> = (0..6).map(|r| 10 + r).collect();
+    let mut made = Vec::new();
+    let members = group_wiring(grid, &ids, Group::DataParallel, |devices| {
+        made.push(devices.to_vec());
+        Ok(devices.iter().map(|&d| d * 100).collect())
+    })
+    .unwrap();
+    // Data-parallel groups: pipeline rank 0 = world ranks 0, 2, 4; pipeline rank 1 = 1, 3, 5.
+    assert_eq!(made, vec![vec![10, 12, 14], vec![11, 13, 15]]);
+    let got: Vec<Option<i32>> = members;
+    assert_eq!(got, ids.iter().map(|&d| Some(d * 100)).collect::<Vec<_>>());
+
+    let mut made = Vec::new();
+    let members = group_wiring(grid, &ids, Group::Pipeline, |devices| {
+        made.push(devices.to_vec());
+        Ok(devices.to_vec())
+    })
+    .unwrap();
+    assert_eq!(made, vec![vec![10, 11], vec![12, 13], vec![14, 15]]);
+    assert!(members.iter().all(Option::is_some));
+
+    // Stages of one replica on one GPU (replica d on device d): no pipeline communicator,
+    // data-parallel ones over devices 0, 1, 2.
+    let ids = [0, 0, 1, 1, 2, 2];
+    let mut made = Vec::new();
+    let pipeline = group_wiring(grid, &ids, Group::Pipeline, |d| {
+        made.push(d.to_vec());
+        Ok(d.to_vec())
+    })
+    .unwrap();
+    assert!(made.is_empty() && pipeline.iter().all(Option::is_none));
+    let dp = group_wiring(grid, &ids, Group::DataParallel, |d| Ok(d.to_vec())).unwrap();
+    assert_eq!(
+        dp,
+        vec![Some(0), Some(0), Some(1), Some(1), Some(2), Some(2)]
+    );
+
+    // A failing creation names the group's ranks.
+    let (ranks, reason) = group_wiring(grid, &ids, Group::DataParallel, |_| {
+        Err::<Vec<i32>, _>("no NCCL".to_string())
+    })
+    .unwrap_err();
+    assert_eq!((ranks, reason.as_str()), (vec![0, 2, 4], "no NCCL"));
+}
