@@ -1,5 +1,5 @@
 //! `NcclComm` on real GPUs: every collective of a group on NCCL against values computed on
-//! the host. Needs an NVIDIA GPU and NCCL, so it is ignored by default;
+//! the host, and pipeline transfers between GPUs (peer copies) and on one GPU (handoffs). Needs an NVIDIA GPU and NCCL, so it is ignored by default;
 //! `scripts/gpu-run.sh` runs it and trains with it end to end (`gpu_run --comm nccl`). The
 //! CPU tests of the same logic are `comm::tests_nccl_checks` (the call agreement before each
 //! NCCL call, which groups can be communicators) and `LocalComm`'s collective tests (the
@@ -113,4 +113,38 @@ fn pipeline_collectives_on_nccl_match_host_values() {
     // on a single-GPU machine).
     let grid = RankGrid::new(pp, 1).expect("grid");
     check_group(grid, |r| grid.pp_index(r), Group::Pipeline, true);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn pipeline_transfers_between_gpus_arrive_intact() {
+    let gpus = gpus();
+    // One pipeline rank per GPU, two of them per GPU when there is only one: each rank sends
+    // to the next (a ring, so every rank sends before it receives, the pattern of the looped
+    // placement's wrap) a tensor on its own GPU; the receiver gets it on its GPU.
+    let pp = gpus.max(2);
+    let grid = RankGrid::new(pp, 1).expect("grid");
+    let devices = (0..pp).map(|r| CudaDevice::new(r % gpus)).collect();
+    let config = CommConfig::with_timeout(Duration::from_secs(120));
+    let comms = NcclComm::<f32, i32, u8>::create(grid, devices, config).expect("NCCL world");
+    let len = 1000;
+    let results = run_ranks(comms, |comm| {
+        let device = comm.device().clone();
+        let next = (comm.rank() + 1) % pp;
+        let prev = (comm.rank() + pp - 1) % pp;
+        let mine = contribution(comm.rank(), len);
+        let t = Tensor::<B, 2>::from_data(TensorData::new(mine, [10, len / 10]), &device);
+        comm.send(next, 7, t * 2.0)?;
+        let got = comm.recv::<2>(prev, 7, [10, len / 10])?;
+        assert_eq!(got.device(), device, "received on another device");
+        Ok::<_, CommError>(got.into_data().to_vec::<f32>().expect("f32"))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (rank, got) in results.iter().enumerate() {
+        let want: Vec<f32> = contribution((rank + pp - 1) % pp, len)
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        close(&format!("rank {rank} received"), got, &want);
+    }
 }

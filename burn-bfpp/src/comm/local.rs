@@ -32,6 +32,10 @@ pub struct LocalComm<B: Backend> {
     devices: Arc<[B::Device]>,
     config: CommConfig,
     mbox: Mailbox,
+    /// Whether point-to-point tensors for ranks on other devices are handed over as they are
+    /// too (the receiver then gets a tensor on the sender's device, and must move it); set
+    /// only by communicators that move them device to device (`NcclComm`).
+    cross_device_handoff: bool,
 }
 
 impl<B: Backend> fmt::Debug for LocalComm<B> {
@@ -83,8 +87,17 @@ impl<B: Backend> LocalComm<B> {
                 devices: Arc::clone(&all),
                 config,
                 mbox,
+                cross_device_handoff: false,
             })
             .collect()
+    }
+
+    /// Hands point-to-point tensors to ranks on other devices over as they are (after the
+    /// same device synchronisation as a same-device handoff): [`Communicator::recv`] then
+    /// returns them on the sender's device, and the caller moves them.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn hand_over_across_devices(&mut self) {
+        self.cross_device_handoff = true;
     }
 
     /// The configuration this world was created with.
@@ -313,7 +326,10 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
                 ),
             ));
         }
-        let payload = if self.config.same_device_handoff && self.devices[peer] == *self.device() {
+        let same_device = self.devices[peer] == *self.device();
+        let payload = if (same_device && self.config.same_device_handoff)
+            || (!same_device && self.cross_device_handoff)
+        {
             // The producing work may still be queued on this thread (see the config's doc);
             // without this the wgpu engine test with fused kernels failed about one run in
             // three under CPU load.

@@ -37,6 +37,8 @@
 //! implements it for ranks that are processes started by `mpirun`/`srun`, with the same
 //! semantics and bitwise the same results.
 
+#[cfg(feature = "cuda")]
+mod cuda_peer;
 mod error;
 mod host;
 mod local;

@@ -29,6 +29,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::CudaRuntime;
 
+use super::cuda_peer::move_to_device;
 use super::nccl_group::{NcclFailure, NcclMember};
 use super::threads::{ThreadRank, World};
 use super::{CommConfig, CommError, CommOp, Communicator, Group, LocalComm, RankGrid, ReduceOp};
@@ -105,7 +106,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
         let ordinals: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         let dp = members_of(grid, &ordinals, Group::DataParallel)?;
         let pp = members_of(grid, &ordinals, Group::Pipeline)?;
-        let locals = LocalComm::create_with_devices(grid, devices, config)?;
+        let mut locals = LocalComm::create_with_devices(grid, devices, config)?;
+        for local in &mut locals {
+            // Pipeline transfers between GPUs: handed over, then peer-copied by the receiver.
+            local.hand_over_across_devices();
+        }
         locals
             .into_iter()
             .zip(dp.into_iter().zip(pp))
@@ -212,7 +217,20 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         tag: u64,
         shape: [usize; D],
     ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
-        self.local.recv(peer, tag, shape)
+        let tensor = self.local.recv(peer, tag, shape)?;
+        if tensor.device() == *self.device() {
+            return Ok(tensor);
+        }
+        // Handed over from another GPU: copy it here, receiver-driven (see `cuda_peer`).
+        let moved =
+            move_to_device(tensor.into_primitive().tensor(), self.device()).map_err(|reason| {
+                self.local.fail(CommError::Data {
+                    rank: self.local.rank(),
+                    action: CommOp::Recv { tag },
+                    reason: format!("moving rank {peer}'s tensor to this GPU: {reason}"),
+                })
+            })?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(moved)))
     }
 
     fn all_gather(
