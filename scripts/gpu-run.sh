@@ -93,11 +93,16 @@ compare_losses "LocalComm" "$OUT/one-gpu.log" "NcclComm" "$OUT/nccl.log"
 
 if ((gpus > 1)); then
     step "multi-GPU check: the same run with the ranks spread over $gpus GPUs"
-    # Pipeline transfers cross GPUs through host memory, so this checks placement and
-    # equivalence, not scaling: the final loss must match the one-GPU run's.
+    # With LocalComm, pipeline transfers cross GPUs through host memory, so this checks
+    # placement and equivalence, not scaling: the final loss must match the one-GPU run's.
     # shellcheck disable=SC2086
     timeout 300 "$OUT/gpu_run" --backend cuda --gpus "$gpus" --out "$OUT/out-multi" ${GPU_RUN_ARGS:-} \
         | tee "$OUT/multi-gpu.log"
     compare_losses "one GPU" "$OUT/one-gpu.log" "spread over GPUs" "$OUT/multi-gpu.log"
+    step "multi-GPU check with NcclComm: collectives on NCCL, transfers as peer copies"
+    # shellcheck disable=SC2086
+    timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --gpus "$gpus" --out "$OUT/out-multi-nccl" \
+        ${GPU_RUN_ARGS:-} | tee "$OUT/multi-gpu-nccl.log"
+    compare_losses "one GPU" "$OUT/one-gpu.log" "NCCL over GPUs" "$OUT/multi-gpu-nccl.log"
 fi
 step "done: figures above, timelines in $OUT/out/"
