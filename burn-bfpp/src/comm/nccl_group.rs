@@ -60,6 +60,18 @@ impl fmt::Debug for NcclMember {
     }
 }
 
+/// What one NCCL call is given: device buffers, element counts and type, communicator and
+/// stream.
+struct Call {
+    send: *const c_void,
+    recv: *mut c_void,
+    input_len: usize,
+    output_len: usize,
+    ty: nsys::ncclDataType_t,
+    comm: nsys::ncclComm_t,
+    stream: nsys::cudaStream_t,
+}
+
 impl NcclMember {
     /// The members of one group whose ranks are threads of this process, one per GPU in
     /// `ordinals` (group-rank order), created together by `ncclCommInitAll`. NCCL refuses
@@ -123,13 +135,25 @@ impl NcclMember {
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
-        let (input, output) = self.prepare(input, |shape| shape)?;
-        let (count, ty) = (input.meta.shape().num_elements(), nccl_type(input.dtype)?);
-        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
-            // SAFETY: both buffers hold `count` elements of `ty` on this member's GPU.
-            unsafe { nccl::all_reduce(send, recv, count, ty, reduce_op(op), comm, stream) }
-        })?;
-        Ok(output)
+        self.collective(
+            input,
+            |n| n,
+            timeout,
+            |c| {
+                // SAFETY: both buffers hold `input_len` elements of `ty` on this member's GPU.
+                unsafe {
+                    nccl::all_reduce(
+                        c.send,
+                        c.recv,
+                        c.input_len,
+                        c.ty,
+                        reduce_op(op),
+                        c.comm,
+                        c.stream,
+                    )
+                }
+            },
+        )
     }
 
     /// The members' shards of `shard.len()` elements each, concatenated in group-rank order.
@@ -139,13 +163,15 @@ impl NcclMember {
         timeout: Duration,
     ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
         let size = self.group_size;
-        let (input, output) = self.prepare(shard, |n| n * size)?;
-        let (count, ty) = (input.meta.shape().num_elements(), nccl_type(input.dtype)?);
-        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
-            // SAFETY: `send` holds `count` elements and `recv` `count × size`.
-            unsafe { nccl::all_gather(send, recv, count, ty, comm, stream) }
-        })?;
-        Ok(output)
+        self.collective(
+            shard,
+            |n| n * size,
+            timeout,
+            |c| {
+                // SAFETY: `send` holds `input_len` elements and `recv` `input_len × size`.
+                unsafe { nccl::all_gather(c.send, c.recv, c.input_len, c.ty, c.comm, c.stream) }
+            },
+        )
     }
 
     /// This member's chunk (group-rank order) of the group's reduction of `tensor`, whose
@@ -157,13 +183,18 @@ impl NcclMember {
         timeout: Duration,
     ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
         let size = self.group_size;
-        let (input, output) = self.prepare(tensor, |n| n / size)?;
-        let (count, ty) = (output.meta.shape().num_elements(), nccl_type(input.dtype)?);
-        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
-            // SAFETY: `send` holds `count × size` elements and `recv` `count`.
-            unsafe { nccl::reduce_scatter(send, recv, count, ty, reduce_op(op), comm, stream) }
-        })?;
-        Ok(output)
+        self.collective(
+            tensor,
+            |n| n / size,
+            timeout,
+            |c| {
+                // SAFETY: `send` holds `output_len × size` elements and `recv` `output_len`.
+                unsafe {
+                    let op = reduce_op(op);
+                    nccl::reduce_scatter(c.send, c.recv, c.output_len, c.ty, op, c.comm, c.stream)
+                }
+            },
+        )
     }
 
     /// The tensor of group rank `root`, on every member.
@@ -173,29 +204,44 @@ impl NcclMember {
         root: usize,
         timeout: Duration,
     ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
-        let (input, output) = self.prepare(tensor, |n| n)?;
-        let (count, ty) = (input.meta.shape().num_elements(), nccl_type(input.dtype)?);
-        self.launch(&input, &output, timeout, |send, recv, comm, stream| {
-            // SAFETY: both buffers hold `count` elements of `ty`.
-            unsafe { nccl::broadcast(send, recv, count, ty, root as i32, comm, stream) }
-        })?;
-        Ok(output)
+        self.collective(
+            tensor,
+            |n| n,
+            timeout,
+            |c| {
+                // SAFETY: both buffers hold `input_len` elements of `ty`.
+                unsafe {
+                    nccl::broadcast(
+                        c.send,
+                        c.recv,
+                        c.input_len,
+                        c.ty,
+                        root as i32,
+                        c.comm,
+                        c.stream,
+                    )
+                }
+            },
+        )
     }
 
-    /// The contiguous input and a fresh output whose first (only, for 1-D) dimension is
-    /// `len(first)`; other dimensions are kept.
-    fn prepare(
-        &self,
+    /// Runs one NCCL call from `tensor` (made contiguous) into a fresh output whose first
+    /// dimension is `first_dim` of the input's (other dimensions kept), on this member's
+    /// stream, and waits for it; see the module docs for the ordering and the timeout.
+    fn collective(
+        &mut self,
         tensor: CubeTensor<CudaRuntime>,
-        len: impl Fn(usize) -> usize,
-    ) -> Result<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>), NcclFailure> {
+        first_dim: impl Fn(usize) -> usize,
+        timeout: Duration,
+        call: impl FnOnce(&Call) -> Result<nccl::NcclStatus, nccl::NcclError>,
+    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
         if self.aborted {
             return Err("the NCCL communicator was aborted by an earlier failure".into());
         }
         let input = into_contiguous(tensor);
         let mut dims: Vec<usize> = input.meta.shape().iter().copied().collect();
         if let Some(first) = dims.first_mut() {
-            *first = len(*first);
+            *first = first_dim(*first);
         }
         let output = empty_device_dtype(
             input.client.clone(),
@@ -203,45 +249,31 @@ impl NcclMember {
             Shape::from(dims),
             input.dtype,
         );
-        Ok((input, output))
-    }
-
-    /// Runs one NCCL call from `input`'s buffer into `output`'s on this member's stream and
-    /// waits for it; see the module docs for the ordering and the timeout.
-    fn launch(
-        &mut self,
-        input: &CubeTensor<CudaRuntime>,
-        output: &CubeTensor<CudaRuntime>,
-        timeout: Duration,
-        call: impl FnOnce(
-            *const c_void,
-            *mut c_void,
-            nsys::ncclComm_t,
-            nsys::cudaStream_t,
-        ) -> Result<nccl::NcclStatus, nccl::NcclError>,
-    ) -> Result<(), NcclFailure> {
         let resource = |t: &CubeTensor<CudaRuntime>| {
             t.client
                 .get_resource(t.handle.clone())
                 .map_err(|e| format!("device buffer of the tensor: {e:?}"))
         };
         // Held until the call finished: they keep both allocations alive and unmoved.
-        let send = resource(input)?;
-        let recv = resource(output)?;
-        wait_for_producers(input)?;
+        let send = resource(&input)?;
+        let recv = resource(&output)?;
+        wait_for_producers(&input)?;
+        let args = Call {
+            send: send.resource().ptr as *const c_void,
+            recv: recv.resource().ptr as *mut c_void,
+            input_len: input.meta.shape().num_elements(),
+            output_len: output.meta.shape().num_elements(),
+            ty: nccl_type(input.dtype)?,
+            comm: self.comm,
+            stream: self.stream as nsys::cudaStream_t,
+        };
         // SAFETY: the context was retained at creation; the pointers are live device buffers
         // of this GPU (held above), the stream and communicator belong to this member.
-        unsafe {
-            cu::ctx::set_current(self.context).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
-            call(
-                send.resource().ptr as *const c_void,
-                recv.resource().ptr as *mut c_void,
-                self.comm,
-                self.stream as nsys::cudaStream_t,
-            )
-            .map_err(|e| format!("launch: {e:?}"))?;
-        }
-        self.wait(timeout)
+        unsafe { cu::ctx::set_current(self.context) }
+            .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+        call(&args).map_err(|e| format!("launch: {e:?}"))?;
+        self.wait(timeout)?;
+        Ok(output)
     }
 
     /// Polls the member's stream until the call finished, NCCL reported an error, or
