@@ -1,7 +1,8 @@
 //! Ranks as separate processes under `mpirun -np 4` (feature `mpi`): P=2, V=2, D=2,
 //! breadth-first and interleaved, ZeRO 1 and 3, three AdamW steps must give the losses and
 //! final parameters of plain single-device Burn training within 1e-5 and bitwise those of
-//! the in-process run; a failing rank must stop every process with an error naming it.
+//! the in-process run; a failing rank must stop every process with an error naming it. The
+//! rank processes also run the NCCL start-up exchange over MPI (GPUs per group, unique id).
 //!
 //! The tests start `mpirun` on this test binary itself, filtered to the ignored test
 //! [`rank_process`], which reads its case from the environment. `mpirun` must be on PATH
@@ -15,7 +16,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use burn_bfpp::comm::{CommConfig, MpiComm, RankGrid};
+use burn_bfpp::comm::{
+    agree_by_all_gather, setup_group, CommConfig, CommOp, Communicator, Group, MpiComm, RankGrid,
+    ReduceOp, NCCL_ID_BYTES,
+};
 use burn_bfpp::engine::{train_local, train_mpi, EngineConfig, Fault};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
@@ -85,9 +89,40 @@ fn rank_process() {
             lines.push(encode(&o.losses, &params(&o.model)));
         }
     }
+    nccl_start_up_over_mpi(&comm, grid);
     if !lines.is_empty() {
         std::fs::write(&out, lines.join("\n")).expect("results are writable");
     }
+}
+
+/// The start-up exchange and call agreement `NcclComm::over_host` runs over MPI for process
+/// ranks (the NCCL calls themselves need GPUs): every process checks what it received and
+/// panics otherwise, which fails the `mpirun` of the test.
+fn nccl_start_up_over_mpi<B: burn::tensor::backend::Backend>(comm: &MpiComm<B>, grid: RankGrid) {
+    let rank = comm.rank();
+    let id_of = |r: usize| -> [u8; NCCL_ID_BYTES] {
+        std::array::from_fn(|i| ((i * 5 + r * 17) % 256) as u8)
+    };
+    // Every process "on its own GPU": the data-parallel group gets rank 0's id.
+    let dp = setup_group(comm, Group::DataParallel, rank as i32, || Ok(id_of(rank)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let members = grid.group_members(rank, Group::DataParallel);
+    let ordinals: Vec<i32> = members.iter().map(|&m| m as i32).collect();
+    assert_eq!(dp.ordinals, ordinals, "rank {rank}");
+    assert_eq!(dp.unique_id, Some(id_of(members[0])), "rank {rank}");
+    // Pipeline stages "on one GPU": no communicator, and no id made.
+    let pp = setup_group(comm, Group::Pipeline, 0, || {
+        panic!("rank {rank}: an id was made for a group sharing a GPU")
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (pp.ordinals, pp.unique_id),
+        (vec![0, 0], None),
+        "rank {rank}"
+    );
+    let action = CommOp::AllReduce(Group::DataParallel, ReduceOp::Sum);
+    agree_by_all_gather(comm, Group::DataParallel, action, &[3, 70_000])
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Runs `np` rank processes of this binary under mpirun with `env`.

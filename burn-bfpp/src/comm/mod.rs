@@ -49,6 +49,8 @@ mod mpi;
 mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_group;
+#[cfg(any(feature = "cuda", feature = "mpi", test))]
+mod nccl_host;
 mod store;
 mod threads;
 #[cfg(feature = "mpi")]
@@ -73,6 +75,10 @@ pub use error::{CommError, RankError};
 pub use local::LocalComm;
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, CudaBackend, NcclComm};
+#[cfg(feature = "cuda")]
+pub use nccl_host::NcclHost;
+#[cfg(any(feature = "cuda", feature = "mpi"))]
+pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
 pub use store::{RendezvousEnv, StoreError, TcpStore};
 pub use threads::{run_ranks, ThreadRank, World};
 

@@ -650,3 +650,18 @@ impl<B: Backend> Drop for MpiComm<B> {
         }
     }
 }
+
+/// Process ranks can layer `NcclComm` on an `MpiComm` (`NcclComm::over_host`): the call
+/// agreement before each NCCL call is a small all-gather over MPI.
+#[cfg(feature = "cuda")]
+impl<B: Backend> super::NcclHost<B> for MpiComm<B> {
+    fn agree(&self, group: Group, action: CommOp, shape: &[usize]) -> Result<(), CommError> {
+        super::agree_by_all_gather(self, group, action, shape)
+    }
+    fn fail(&self, err: CommError) -> CommError {
+        MpiComm::fail(self, err)
+    }
+    fn config(&self) -> CommConfig {
+        MpiComm::config(self)
+    }
+}

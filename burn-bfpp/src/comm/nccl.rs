@@ -1,27 +1,32 @@
-//! [`NcclComm`] (feature `cuda`): ranks are threads of one process, each on a CUDA device,
-//! and the group collectives run on NCCL directly on the device buffers of Burn's CUDA
-//! tensors.
+//! [`NcclComm`] (feature `cuda`): ranks on CUDA devices whose group collectives run on NCCL
+//! directly on the device buffers of Burn's CUDA tensors, layered on a host communicator for
+//! everything else: [`LocalComm`] when the ranks are threads of one process
+//! ([`NcclComm::create`]), `MpiComm` when they are processes ([`NcclComm::over_host`]).
 //!
 //! Every group whose members are on distinct GPUs gets its own NCCL communicator (one per
-//! data-parallel group, one per pipeline group), created with `ncclCommInitAll`; each rank
-//! holds its member ([`super::nccl_group`]). All-reduce, all-gather, reduce-scatter and
-//! broadcast are NCCL's own collectives: no host copy, and the traffic of the dedicated
-//! collective. A pipeline group whose ranks share a GPU (several stages on one GPU) cannot be
-//! an NCCL communicator (NCCL refuses two members on one device) and keeps the host path of
-//! [`LocalComm`]; data-parallel groups must span distinct GPUs (checked at creation).
+//! data-parallel group, one per pipeline group): created together with `ncclCommInitAll` for
+//! threads, or with `ncclCommInitRank` from a unique id that the group's rank 0 makes and
+//! sends through the host communicator for processes ([`super::nccl_host`]). Each rank holds
+//! its member ([`super::nccl_group`]). All-reduce, all-gather, reduce-scatter and broadcast
+//! are NCCL's own collectives: no host copy, and the traffic of the dedicated collective. A
+//! pipeline group whose ranks share a GPU (several stages on one GPU) cannot be an NCCL
+//! communicator (NCCL refuses two members on one device) and keeps the host path;
+//! data-parallel groups must span distinct GPUs (checked at creation).
 //!
-//! Pipeline transfers, barriers and failure propagation are the [`LocalComm`] of the same
-//! world: host memory between GPUs, the tensor itself between ranks sharing one. Before each
-//! NCCL call the members check through it that they all issue the same collective on the
-//! same shape, so a mismatched or failed peer is reported by rank and action instead of
-//! hanging the device in NCCL; a peer that dies inside the call ends it at the timeout, with
-//! the communicator aborted.
+//! Pipeline transfers, barriers and failure propagation are the host communicator's. Between
+//! threads on different GPUs the tensor is handed over and peer-copied by the receiver
+//! ([`super::cuda_peer`]); between threads on one GPU it is handed over as it is. Before each
+//! NCCL call the members check through the host communicator that they all issue the same
+//! collective on the same shape, so a mismatched or failed peer is reported by rank and
+//! action instead of hanging the device in NCCL; a peer that dies inside the call ends it at
+//! the timeout, with the communicator aborted.
 //!
 //! NCCL sums are not taken in group-rank order, so results match [`LocalComm`] to rounding,
 //! not bitwise.
 
 use std::cell::RefCell;
 use std::fmt;
+use std::marker::PhantomData;
 
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::{Tensor, TensorPrimitive};
@@ -30,27 +35,38 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::CudaRuntime;
 
 use super::cuda_peer::move_to_device;
-use super::nccl_group::{NcclFailure, NcclMember};
+use super::nccl_group::{nccl_unique_id, NcclFailure, NcclMember};
+use super::nccl_host::{setup_group, NcclHost};
 use super::threads::{ThreadRank, World};
 use super::{CommConfig, CommError, CommOp, Communicator, Group, LocalComm, RankGrid, ReduceOp};
 
 /// Burn's CUDA backend (the CubeCL one, without fusion) with the given element types.
 pub type CudaBackend<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
 
-/// A rank of a world of threads on CUDA devices whose group collectives run on NCCL; see the
-/// [module docs](self).
-pub struct NcclComm<F: FloatElement, I: IntElement, BT: BoolElement> {
-    local: LocalComm<CudaBackend<F, I, BT>>,
+/// A rank whose group collectives run on NCCL, layered on a host communicator `H` for
+/// everything else; see the [module docs](self). `H` is [`LocalComm`] for ranks that are
+/// threads of one process ([`NcclComm::create`]) and `MpiComm` for ranks that are processes
+/// ([`NcclComm::over_host`]).
+pub struct NcclComm<
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    H = LocalComm<CudaBackend<F, I, BT>>,
+> {
+    host: H,
     /// This rank's member of its data-parallel group's communicator.
     dp: RefCell<NcclMember>,
     /// Its member of its pipeline group's communicator, when that group spans distinct GPUs.
     pp: Option<RefCell<NcclMember>>,
+    _elements: PhantomData<CudaBackend<F, I, BT>>,
 }
 
-impl<F: FloatElement, I: IntElement, BT: BoolElement> fmt::Debug for NcclComm<F, I, BT> {
+impl<F: FloatElement, I: IntElement, BT: BoolElement, H: fmt::Debug> fmt::Debug
+    for NcclComm<F, I, BT, H>
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NcclComm")
-            .field("local", &self.local)
+            .field("host", &self.host)
             .field("dp", &self.dp)
             .field("pp", &self.pp)
             .finish()
@@ -121,9 +137,10 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
                     reason: format!("rank {} has no data-parallel communicator", local.rank()),
                 })?;
                 Ok(NcclComm {
-                    local,
+                    host: local,
                     dp: RefCell::new(dp),
                     pp: pp.map(RefCell::new),
+                    _elements: PhantomData,
                 })
             })
             .collect()
@@ -131,7 +148,74 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
 
     /// The host-memory communicator of the same world (pipeline transfers, barriers).
     pub fn local(&self) -> &LocalComm<CudaBackend<F, I, BT>> {
-        &self.local
+        &self.host
+    }
+}
+
+impl<F, I, BT, H> NcclComm<F, I, BT, H>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    H: NcclHost<CudaBackend<F, I, BT>>,
+{
+    /// This rank's NCCL communicator over `host`, for ranks that are processes (one per GPU,
+    /// `host` an `MpiComm` on the rank's CUDA device): every rank of the world calls it. The
+    /// members of each group exchange their GPUs through `host`; a group on distinct GPUs gets
+    /// an NCCL communicator, whose unique id its group rank 0 creates and sends to the others
+    /// through `host`. Fails if NCCL cannot be loaded, if two members of the data-parallel
+    /// group share a GPU, or if NCCL cannot create a communicator. Blocks until every member
+    /// of each group has joined.
+    pub fn over_host(host: H) -> Result<Self, CommError> {
+        nccl_available().map_err(|e| host.fail(e))?;
+        let ordinal = host.device().index as i32;
+        let mut members = Vec::new();
+        for group in [Group::DataParallel, Group::Pipeline] {
+            let setup = setup_group(&host, group, ordinal, nccl_unique_id)?;
+            let member = match setup.unique_id {
+                Some(id) => Some(
+                    NcclMember::init_rank(
+                        id,
+                        host.group_size(group),
+                        host.group_rank(group),
+                        ordinal,
+                    )
+                    .map_err(|reason| {
+                        host.fail(CommError::Unavailable {
+                            what: format!("an NCCL communicator for rank {}'s {group}", host.rank()),
+                            fix: format!("{reason}; check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)"),
+                        })
+                    })?,
+                ),
+                None => None,
+            };
+            members.push((setup.ordinals, member));
+        }
+        let mut members = members.into_iter();
+        let (dp_ordinals, dp) = members.next().unwrap_or_default();
+        let (_, pp) = members.next().unwrap_or_default();
+        let dp = dp.ok_or_else(|| {
+            host.fail(CommError::InvalidGrid {
+                pp: host.grid().pp(),
+                dp: host.grid().dp(),
+                reason: format!(
+                    "rank {}'s data-parallel group is on GPUs {dp_ordinals:?}: NCCL needs each \
+                     data-parallel group on distinct GPUs (one process per GPU)",
+                    host.rank()
+                ),
+            })
+        })?;
+        Ok(NcclComm {
+            host,
+            dp: RefCell::new(dp),
+            pp: pp.map(RefCell::new),
+            _elements: PhantomData,
+        })
+    }
+
+    /// The communicator this one is layered on.
+    pub fn host(&self) -> &H {
+        &self.host
     }
 
     /// Whether `group`'s collectives run on NCCL (otherwise on the host path).
@@ -162,14 +246,17 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
         ) -> Result<CubeTensor<CudaRuntime>, NcclFailure>,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, E>, CommError> {
         let member = self.member(group).ok_or_else(|| {
-            self.local
-                .invalid(action, format!("the {group} has no NCCL communicator"))
+            self.host.fail(CommError::InvalidArgument {
+                rank: self.host.rank(),
+                action,
+                reason: format!("the {group} has no NCCL communicator"),
+            })
         })?;
-        self.local.agree(group, action, &tensor.dims())?;
+        self.host.agree(group, action, &tensor.dims())?;
         let input = tensor.into_primitive().tensor();
         let output = call(&mut member.borrow_mut(), input).map_err(|reason| {
-            self.local.fail(CommError::Nccl {
-                rank: self.local.rank(),
+            self.host.fail(CommError::Nccl {
+                rank: self.host.rank(),
                 action,
                 reason,
             })
@@ -180,26 +267,30 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> ThreadRank for NcclComm<F, I, BT> {
     fn world_rank(&self) -> usize {
-        self.local.world_rank()
+        self.host.world_rank()
     }
     fn world(&self) -> World {
-        self.local.world()
+        self.host.world()
     }
 }
 
-impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F, I, BT>>
-    for NcclComm<F, I, BT>
+impl<F, I, BT, H> Communicator<CudaBackend<F, I, BT>> for NcclComm<F, I, BT, H>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    H: NcclHost<CudaBackend<F, I, BT>>,
 {
     fn grid(&self) -> RankGrid {
-        self.local.grid()
+        self.host.grid()
     }
 
     fn rank(&self) -> usize {
-        self.local.rank()
+        self.host.rank()
     }
 
     fn device(&self) -> &CudaDevice {
-        self.local.device()
+        self.host.device()
     }
 
     fn send<const D: usize>(
@@ -208,7 +299,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         tag: u64,
         tensor: Tensor<CudaBackend<F, I, BT>, D>,
     ) -> Result<(), CommError> {
-        self.local.send(peer, tag, tensor)
+        self.host.send(peer, tag, tensor)
     }
 
     fn recv<const D: usize>(
@@ -217,15 +308,15 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         tag: u64,
         shape: [usize; D],
     ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
-        let tensor = self.local.recv(peer, tag, shape)?;
+        let tensor = self.host.recv(peer, tag, shape)?;
         if tensor.device() == *self.device() {
             return Ok(tensor);
         }
         // Handed over from another GPU: copy it here, receiver-driven (see `cuda_peer`).
         let moved =
             move_to_device(tensor.into_primitive().tensor(), self.device()).map_err(|reason| {
-                self.local.fail(CommError::Data {
-                    rank: self.local.rank(),
+                self.host.fail(CommError::Data {
+                    rank: self.host.rank(),
                     action: CommOp::Recv { tag },
                     reason: format!("moving rank {peer}'s tensor to this GPU: {reason}"),
                 })
@@ -239,9 +330,9 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         shard: Tensor<CudaBackend<F, I, BT>, 1>,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, CommError> {
         if !self.on_nccl(group) {
-            return self.local.all_gather(group, shard);
+            return self.host.all_gather(group, shard);
         }
-        let timeout = self.local.config().timeout;
+        let timeout = self.host.config().timeout;
         self.nccl(group, CommOp::AllGather(group), shard, |m, t| {
             m.all_gather(t, timeout)
         })
@@ -254,18 +345,19 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         op: ReduceOp,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, CommError> {
         if !self.on_nccl(group) {
-            return self.local.reduce_scatter(group, tensor, op);
+            return self.host.reduce_scatter(group, tensor, op);
         }
         let action = CommOp::ReduceScatter(group, op);
         let size = self.group_size(group);
         let len = tensor.dims()[0];
         if len % size != 0 {
-            return Err(self.local.invalid(
+            return Err(self.host.fail(CommError::InvalidArgument {
+                rank: self.rank(),
                 action,
-                format!("length {len} is not divisible by the group size {size}"),
-            ));
+                reason: format!("length {len} is not divisible by the group size {size}"),
+            }));
         }
-        let timeout = self.local.config().timeout;
+        let timeout = self.host.config().timeout;
         self.nccl(group, action, tensor, |m, t| {
             m.reduce_scatter(t, op, timeout)
         })
@@ -278,9 +370,9 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
         op: ReduceOp,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
         if !self.on_nccl(group) {
-            return self.local.all_reduce(group, tensor, op);
+            return self.host.all_reduce(group, tensor, op);
         }
-        let timeout = self.local.config().timeout;
+        let timeout = self.host.config().timeout;
         self.nccl(group, CommOp::AllReduce(group, op), tensor, |m, t| {
             m.all_reduce(t, op, timeout)
         })
@@ -294,19 +386,19 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> Communicator<CudaBackend<F
     ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
         if !self.on_nccl(group) || root >= self.group_size(group) {
             // The host path also reports an out-of-range root.
-            return self.local.broadcast(group, root, tensor);
+            return self.host.broadcast(group, root, tensor);
         }
-        let timeout = self.local.config().timeout;
+        let timeout = self.host.config().timeout;
         self.nccl(group, CommOp::Broadcast(group, root), tensor, |m, t| {
             m.broadcast(t, root, timeout)
         })
     }
 
     fn barrier(&self, group: Group) -> Result<(), CommError> {
-        self.local.barrier(group)
+        self.host.barrier(group)
     }
 
     fn abort(&self, cause: &str) {
-        self.local.abort(cause)
+        self.host.abort(cause)
     }
 }

@@ -99,6 +99,44 @@ impl NcclMember {
         Ok(members)
     }
 
+    /// This process's member of a group whose other members are other processes: group
+    /// rank `group_rank` of `group_size`, on GPU `ordinal`, joining the communicator that
+    /// group rank 0 named by `unique_id`. Blocks until every member has called it.
+    pub(crate) fn init_rank(
+        unique_id: [u8; 128],
+        group_size: usize,
+        group_rank: usize,
+        ordinal: i32,
+    ) -> Result<NcclMember, NcclFailure> {
+        let cuda = |what: &str, e: cudarc::driver::DriverError| format!("{what}: {e:?}");
+        let id = nsys::ncclUniqueId {
+            internal: unique_id.map(|b| b as std::ffi::c_char),
+        };
+        let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: NCCL creates the communicator on the current device, so this GPU's primary
+        // context is made current first (and released again: the member retains its own).
+        unsafe {
+            cu::init().map_err(|e| cuda("cuInit", e))?;
+            let device = cu::device::get(ordinal).map_err(|e| cuda("cuDeviceGet", e))?;
+            let context =
+                cu::primary_ctx::retain(device).map_err(|e| cuda("cuDevicePrimaryCtxRetain", e))?;
+            let current = cu::ctx::set_current(context).map_err(|e| cuda("cuCtxSetCurrent", e));
+            let made = current.and_then(|()| {
+                nccl::comm_init_rank(&mut comm, group_size as i32, id, group_rank as i32)
+                    .map(|_| ())
+                    .map_err(|e| {
+                        format!("ncclCommInitRank (rank {group_rank} of {group_size}): {e:?}")
+                    })
+            });
+            let _ = cu::primary_ctx::release(device);
+            made?;
+        }
+        Self::with_stream(comm, ordinal, group_rank, group_size).inspect_err(|_| {
+            // SAFETY: the communicator was created above and is not owned by a member.
+            let _ = unsafe { nccl::comm_destroy(comm) };
+        })
+    }
+
     fn with_stream(
         comm: nsys::ncclComm_t,
         ordinal: i32,
@@ -366,4 +404,10 @@ fn reduce_op(op: ReduceOp) -> nsys::ncclRedOp_t {
         ReduceOp::Sum => nsys::ncclRedOp_t::ncclSum,
         ReduceOp::Mean => nsys::ncclRedOp_t::ncclAvg,
     }
+}
+
+/// A fresh NCCL unique id (what group rank 0 creates and the other members join with).
+pub(crate) fn nccl_unique_id() -> Result<[u8; 128], NcclFailure> {
+    let id = nccl::get_uniqueid().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
+    Ok(id.internal.map(|c| c as u8))
 }

@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::nccl_host::{agree_by_all_gather, setup_group, NCCL_ID_BYTES};
 use super::tests::world;
 use super::*;
 
@@ -110,4 +113,71 @@ fn every_group_on_distinct_devices_gets_one_communicator_with_its_ranks_in_group
     })
     .unwrap_err();
     assert_eq!((ranks, reason.as_str()), (vec![0, 2, 4], "no NCCL"));
+}
+
+#[test]
+fn agreement_by_all_gather_reports_a_different_collective_or_shape() {
+    // The agreement process ranks (MpiComm) use, run here over LocalComm's all-gather.
+    let group = Group::Pipeline;
+    let op = CommOp::Broadcast(group, 1);
+    run_ranks(world(3, 1, Duration::from_secs(10)), |comm| {
+        agree_by_all_gather(comm, group, op, &[70_000, 3])
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let err = run_ranks(world(3, 1, Duration::from_secs(10)), |comm| {
+        let action = if comm.rank() == 2 {
+            CommOp::Broadcast(group, 0)
+        } else {
+            op
+        };
+        agree_by_all_gather(comm, group, action, &[4])
+    })
+    .expect_err("different collectives must fail");
+    assert!(err.to_string().contains("another collective"), "{err}");
+    // Shapes differing only above 2^16 (the descriptor splits dimensions in halves).
+    let err = run_ranks(world(2, 1, Duration::from_secs(10)), |comm| {
+        let shape: &[usize] = if comm.rank() == 1 { &[65_537] } else { &[1] };
+        agree_by_all_gather(comm, group, op, shape)
+    })
+    .expect_err("different shapes must fail");
+    let text = err.to_string();
+    assert!(text.contains("[65537]") && text.contains("[1]"), "{text}");
+}
+
+#[test]
+fn group_setup_shares_rank_zeros_unique_id_when_the_gpus_are_distinct() {
+    // pp 2 × dp 3: data-parallel groups {0, 2, 4} and {1, 3, 5}. Rank r "is on" GPU r, except
+    // that in the second scenario ranks 1 and 3 share GPU 1.
+    let made = AtomicUsize::new(0);
+    let id_of = |rank: usize| -> [u8; NCCL_ID_BYTES] {
+        std::array::from_fn(|i| ((i * 7 + rank * 31) % 256) as u8)
+    };
+    for shared in [false, true] {
+        made.store(0, Ordering::SeqCst);
+        let setups = run_ranks(world(2, 3, Duration::from_secs(10)), |comm| {
+            let rank = comm.rank();
+            let ordinal = if shared && rank == 3 { 1 } else { rank as i32 };
+            setup_group(comm, Group::DataParallel, ordinal, || {
+                made.fetch_add(1, Ordering::SeqCst);
+                Ok(id_of(rank))
+            })
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        for (rank, setup) in setups.iter().enumerate() {
+            let members = [[0, 2, 4], [1, 3, 5]][rank % 2];
+            let ordinals: Vec<i32> = members
+                .iter()
+                .map(|&r| if shared && r == 3 { 1 } else { r as i32 })
+                .collect();
+            assert_eq!(setup.ordinals, ordinals, "rank {rank}");
+            let expected = if shared && rank % 2 == 1 {
+                None
+            } else {
+                Some(id_of(members[0]))
+            };
+            assert_eq!(setup.unique_id, expected, "rank {rank}");
+        }
+        // One id per group that can be a communicator, made by its rank 0 alone.
+        assert_eq!(made.load(Ordering::SeqCst), if shared { 1 } else { 2 });
+    }
 }
