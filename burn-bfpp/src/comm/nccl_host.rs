@@ -78,18 +78,9 @@ pub fn agree_by_all_gather<B: Backend, C: Communicator<B>>(
         mine[3 + 2 * i] = (d >> 16) as u32;
         mine[4 + 2 * i] = (d & 0xffff) as u32;
     }
-    let values: Vec<f32> = mine.iter().map(|&v| v as f32).collect();
-    let gathered = comm.all_gather(
-        group,
-        Tensor::<B, 1>::from_data(TensorData::new(values, [DESCRIPTOR]), comm.device()),
-    )?;
-    let all: Vec<u32> = gathered
-        .into_data()
-        .to_vec::<f32>()
-        .map_err(|e| invalid(format!("reading the call descriptors: {e:?}")))?
-        .iter()
-        .map(|&v| v as u32)
-        .collect();
+    let gathered = comm.all_gather(group, to_tensor::<B>(&mine, comm.device()))?;
+    let all =
+        from_tensor(gathered).map_err(|e| invalid(format!("reading the call descriptors: {e}")))?;
     for (peer, theirs) in comm
         .group_members(group)
         .into_iter()
@@ -151,15 +142,12 @@ pub fn setup_group<B: Backend, C: Communicator<B>>(
         reason,
     };
     let device = comm.device();
-    let mine = Tensor::<B, 1>::from_data(TensorData::new(vec![ordinal as f32], [1]), device);
-    let ordinals: Vec<i32> = comm
-        .all_gather(group, mine)?
-        .into_data()
-        .to_vec::<f32>()
-        .map_err(|e| data_error(format!("{e:?}")))?
-        .iter()
-        .map(|&v| v as i32)
-        .collect();
+    let ordinals: Vec<i32> =
+        from_tensor(comm.all_gather(group, to_tensor::<B>(&[ordinal as u32], device))?)
+            .map_err(data_error)?
+            .into_iter()
+            .map(|v| v as i32)
+            .collect();
     let positions: Vec<usize> = (0..ordinals.len()).collect();
     if first_shared_device(&positions, &ordinals).is_some() {
         return Ok(GroupSetup {
@@ -172,16 +160,9 @@ pub fn setup_group<B: Backend, C: Communicator<B>>(
     } else {
         [0; NCCL_ID_BYTES]
     };
-    let values: Vec<f32> = id.iter().map(|&b| f32::from(b)).collect();
-    let shared = comm
-        .broadcast(
-            group,
-            0,
-            Tensor::<B, 1>::from_data(TensorData::new(values, [NCCL_ID_BYTES]), device),
-        )?
-        .into_data()
-        .to_vec::<f32>()
-        .map_err(|e| data_error(format!("{e:?}")))?;
+    let bytes: Vec<u32> = id.iter().map(|&b| u32::from(b)).collect();
+    let shared = from_tensor(comm.broadcast(group, 0, to_tensor::<B>(&bytes, device))?)
+        .map_err(data_error)?;
     let mut unique_id = [0u8; NCCL_ID_BYTES];
     for (byte, v) in unique_id.iter_mut().zip(shared) {
         *byte = v as u8;
@@ -190,4 +171,20 @@ pub fn setup_group<B: Backend, C: Communicator<B>>(
         ordinals,
         unique_id: Some(unique_id),
     })
+}
+
+/// Small non-negative integers (below 2^24, exact in f32) as a tensor, for the host
+/// communicator's collectives.
+fn to_tensor<B: Backend>(values: &[u32], device: &B::Device) -> Tensor<B, 1> {
+    let floats: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    Tensor::from_data(TensorData::new(floats, [values.len()]), device)
+}
+
+/// The integers of [`to_tensor`] back from a collective's result.
+fn from_tensor<B: Backend>(tensor: Tensor<B, 1>) -> Result<Vec<u32>, String> {
+    let values = tensor
+        .into_data()
+        .to_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(values.iter().map(|&v| v as u32).collect())
 }
