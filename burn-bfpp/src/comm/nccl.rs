@@ -73,6 +73,9 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement, H: fmt::Debug> fmt::Debug
     }
 }
 
+/// What to look at when NCCL cannot create a communicator.
+const CHECK_NCCL: &str = "check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)";
+
 /// Whether the NCCL library can be loaded; a missing one is a start-up error naming the fix
 /// rather than a panic inside the first collective.
 pub fn nccl_available() -> Result<(), CommError> {
@@ -102,7 +105,7 @@ fn members_of(
     })
     .map_err(|(members, reason)| CommError::Unavailable {
         what: format!("an NCCL communicator for the {group} of ranks {members:?}"),
-        fix: format!("{reason}; check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)"),
+        fix: format!("{reason}; {CHECK_NCCL}"),
     })
 }
 
@@ -169,47 +172,40 @@ where
     pub fn over_host(host: H) -> Result<Self, CommError> {
         nccl_available().map_err(|e| host.fail(e))?;
         let ordinal = host.device().index as i32;
-        let mut members = Vec::new();
-        for group in [Group::DataParallel, Group::Pipeline] {
-            let setup = setup_group(&host, group, ordinal, nccl_unique_id)?;
-            let member = match setup.unique_id {
-                Some(id) => Some(
-                    NcclMember::init_rank(
-                        id,
-                        host.group_size(group),
-                        host.group_rank(group),
-                        ordinal,
-                    )
-                    .map_err(|reason| {
-                        host.fail(CommError::Unavailable {
-                            what: format!("an NCCL communicator for rank {}'s {group}", host.rank()),
-                            fix: format!("{reason}; check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)"),
-                        })
-                    })?,
-                ),
-                None => None,
-            };
-            members.push((setup.ordinals, member));
-        }
-        let mut members = members.into_iter();
-        let (dp_ordinals, dp) = members.next().unwrap_or_default();
-        let (_, pp) = members.next().unwrap_or_default();
-        let dp = dp.ok_or_else(|| {
-            host.fail(CommError::InvalidGrid {
+        let dp = setup_group(&host, Group::DataParallel, ordinal, nccl_unique_id)?;
+        let Some(dp_id) = dp.unique_id else {
+            return Err(host.fail(CommError::InvalidGrid {
                 pp: host.grid().pp(),
                 dp: host.grid().dp(),
                 reason: format!(
-                    "rank {}'s data-parallel group is on GPUs {dp_ordinals:?}: NCCL needs each \
+                    "rank {}'s data-parallel group is on GPUs {:?}: NCCL needs each \
                      data-parallel group on distinct GPUs (one process per GPU)",
-                    host.rank()
+                    host.rank(),
+                    dp.ordinals
                 ),
-            })
-        })?;
+            }));
+        };
+        let dp = Self::join(&host, Group::DataParallel, dp_id, ordinal)?;
+        let pp = setup_group(&host, Group::Pipeline, ordinal, nccl_unique_id)?
+            .unique_id
+            .map(|id| Self::join(&host, Group::Pipeline, id, ordinal))
+            .transpose()?;
         Ok(NcclComm {
             host,
             dp: RefCell::new(dp),
             pp: pp.map(RefCell::new),
             _elements: PhantomData,
+        })
+    }
+
+    /// This process's member of `group`'s communicator named by `id`.
+    fn join(host: &H, group: Group, id: [u8; 128], ordinal: i32) -> Result<NcclMember, CommError> {
+        let (size, rank) = (host.group_size(group), host.group_rank(group));
+        NcclMember::init_rank(id, size, rank, ordinal).map_err(|reason| {
+            host.fail(CommError::Unavailable {
+                what: format!("an NCCL communicator for rank {}'s {group}", host.rank()),
+                fix: format!("{reason}; {CHECK_NCCL}"),
+            })
         })
     }
 
