@@ -76,6 +76,16 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
     )
 }
 
+/// Whether all three tile kernels (forward, dQ, dK/dV) run on tensor cores under `plan`
+/// (a device's or a target's [`plan_tiles`] for one dtype and head dimension).
+pub(crate) fn all_tiles_on_tensor_cores(
+    plan: impl Fn(TileKernel) -> Option<(usize, usize, bool)>,
+) -> bool {
+    [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv]
+        .into_iter()
+        .all(|kernel| matches!(plan(kernel), Some((_, _, true))))
+}
+
 /// Whether `cmma` (a device's fragment shapes) holds the 16×16×16 fragment of `dtype` with
 /// f32 accumulation that the tile kernels multiply with (only f16 and bf16 qualify).
 pub(crate) fn has_tile_fragments<'a>(

@@ -110,16 +110,10 @@ pub fn attention_uses_tensor_cores<R: CubeRuntime>(
     dtype: DType,
     head_dim: usize,
 ) -> bool {
-    use attention::{tiles_plan, TileKernel};
     let client = R::client(device);
-    [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv]
-        .into_iter()
-        .all(|kernel| {
-            matches!(
-                tiles_plan(&client, kernel, dtype, head_dim),
-                Some((_, _, true))
-            )
-        })
+    attention::all_tiles_on_tensor_cores(|kernel| {
+        attention::tiles_plan(&client, kernel, dtype, head_dim)
+    })
 }
 
 /// Test hook: when on, every kernel output buffer is filled with NaN before the launch, so

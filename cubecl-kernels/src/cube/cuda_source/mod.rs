@@ -27,7 +27,7 @@ use cubecl_cpp::cuda::arch::CudaArchitecture;
 use cubecl_cpp::cuda::mma::CudaWmmaCompiler;
 use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures, DialectWmmaCompiler};
 
-use super::attention::{has_tile_fragments, plan_tiles, TileKernel};
+use super::attention::{all_tiles_on_tensor_cores, has_tile_fragments, plan_tiles, TileKernel};
 use super::AttentionKernel;
 use generate::{Attention, Generator};
 
@@ -60,14 +60,9 @@ impl CudaTarget {
     /// Whether [`AttentionKernel::Auto`] runs the tensor-core tile kernels on this GPU for
     /// `dtype` and `head_dim` (all three of forward, dQ and dK/dV).
     pub fn attention_uses_tensor_cores(&self, dtype: DType, head_dim: usize) -> bool {
-        [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv]
-            .into_iter()
-            .all(|kernel| {
-                matches!(
-                    self.plan(AttentionKernel::Auto, kernel, dtype, head_dim),
-                    Some((_, _, true))
-                )
-            })
+        all_tiles_on_tensor_cores(|kernel| {
+            self.plan(AttentionKernel::Auto, kernel, dtype, head_dim)
+        })
     }
 
     fn plan(
