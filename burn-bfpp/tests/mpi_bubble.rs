@@ -20,7 +20,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::comm::{CommConfig, MpiComm, RankGrid};
-use burn_bfpp::engine::{train_mpi, EngineConfig, StepProfile};
+use burn_bfpp::engine::{train_processes, EngineConfig, StepProfile};
 use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
@@ -103,8 +103,9 @@ fn bubble_rank_process() {
             .expect("valid config")
     };
     let shape = [MBS, gpt().seq_len, gpt().hidden];
-    let Some(outcome) = train_mpi::<B, _, _, _>(&comm, &model, &cfg, STEPS, shape, batch, |_| {})
-        .unwrap_or_else(|e| panic!("{e}"))
+    let Some(outcome) =
+        train_processes::<B, _, _, _, _>(&comm, &model, &cfg, STEPS, shape, batch, |_| {})
+            .unwrap_or_else(|e| panic!("{e}"))
     else {
         return;
     };

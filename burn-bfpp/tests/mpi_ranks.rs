@@ -20,7 +20,7 @@ use burn_bfpp::comm::{
     agree_by_all_gather, setup_group, CommConfig, CommOp, Communicator, Group, MpiComm, RankGrid,
     ReduceOp, NCCL_ID_BYTES,
 };
-use burn_bfpp::engine::{train_local, train_mpi, EngineConfig, Fault};
+use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
 
@@ -83,8 +83,9 @@ fn rank_process() {
     for (kind, zero) in CASES {
         let mut cfg = mpi_config(kind, zero);
         cfg.fault = fault;
-        let outcome = train_mpi::<B, _, _, _>(&comm, &base, &cfg, STEPS, activation, batch, |_| {})
-            .unwrap_or_else(|e| panic!("{e}"));
+        let outcome =
+            train_processes::<B, _, _, _, _>(&comm, &base, &cfg, STEPS, activation, batch, |_| {})
+                .unwrap_or_else(|e| panic!("{e}"));
         if let Some(o) = outcome {
             lines.push(encode(&o.losses, &params(&o.model)));
         }

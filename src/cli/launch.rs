@@ -1,15 +1,47 @@
 //! `bfpp launch --nproc N -- train …`: starts N local processes of this binary, one rank each.
 //!
-//! The processes are started by OpenMPI's `mpirun` (which also wires them together), because
-//! ranks on CPU communicate over MPI; as root it needs `--allow-run-as-root`, and more ranks
-//! than cores need `--oversubscribe`, both of which are added. The exit status is the first
-//! failure: `mpirun` stops the other ranks when one exits non-zero, and each rank's own error
-//! names the rank that failed first.
+//! Two ways to start and wire them (`--via`):
+//! * `tcp` (the default without the `mpi` feature): this launcher starts the processes itself
+//!   with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`,
+//!   `MASTER_PORT` = a free port), and they connect to each other over TCP. No MPI needed.
+//!   When a rank exits with an error the others stop on their own (they are told, or see its
+//!   connection end); any still running after a grace period are killed.
+//! * `mpirun` (the default in builds with the `mpi` feature): OpenMPI's `mpirun` starts and
+//!   wires them; as root it needs `--allow-run-as-root`, and more ranks than cores need
+//!   `--oversubscribe`, both of which are added. `mpirun` stops the other ranks when one exits
+//!   non-zero.
+//!
+//! Either way the exit status is the first failure, and each rank's own error names the rank
+//! that failed first.
 
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
 
-use clap::Args;
+use clap::{Args, ValueEnum};
+
+/// How long ranks still running after the first failure get to stop on their own.
+const GRACE: Duration = Duration::from_secs(30);
+
+/// `--via`: who starts and wires the processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Via {
+    /// This launcher, with torchrun's variables; the ranks connect over TCP.
+    Tcp,
+    /// OpenMPI's `mpirun`; the ranks talk over MPI (needs a build with `--features mpi`).
+    Mpirun,
+}
+
+impl Default for Via {
+    fn default() -> Self {
+        if cfg!(feature = "mpi") {
+            Via::Mpirun
+        } else {
+            Via::Tcp
+        }
+    }
+}
 
 /// `bfpp launch [FLAGS] -- COMMAND…`.
 #[derive(Debug, Clone, Args)]
@@ -17,7 +49,11 @@ pub struct LaunchArgs {
     /// Number of processes (must equal pp × dp of the command's layout).
     #[arg(long, default_value_t = 1)]
     pub nproc: usize,
-    /// The launcher to use; default: `mpirun` from PATH.
+    /// Who starts the processes: this launcher over TCP, or mpirun; default: mpirun in
+    /// builds with the `mpi` feature, tcp otherwise.
+    #[arg(long, value_enum)]
+    pub via: Option<Via>,
+    /// The launcher to use with `--via mpirun`; default: `mpirun` from PATH.
     #[arg(long, value_name = "PATH")]
     pub mpirun: Option<PathBuf>,
     /// The bfpp command every process runs, e.g. `train --pp 2 --dp 2`.
@@ -48,12 +84,23 @@ pub enum LaunchError {
         /// The I/O failure.
         source: std::io::Error,
     },
+    /// No free local port for the ranks' rendezvous.
+    #[error("cannot find a free local TCP port for the ranks' rendezvous: {0}")]
+    NoPort(std::io::Error),
+    /// Waiting for a started process failed.
+    #[error("waiting for rank {rank}: {source}")]
+    Wait {
+        /// The rank's process.
+        rank: usize,
+        /// The I/O failure.
+        source: std::io::Error,
+    },
     /// A rank failed; the ranks' own errors (on standard error) name the one that failed first.
-    #[error("{nproc} ranks launched; the run failed with exit status {status} (see the ranks' errors above)")]
+    #[error("{nproc} ranks launched; the run failed ({status}; see the ranks' errors above)")]
     Failed {
         /// Processes launched.
         nproc: usize,
-        /// `mpirun`'s exit status.
+        /// The exit status of `mpirun`, or of the first rank that failed.
         status: String,
     },
 }
@@ -93,24 +140,107 @@ pub fn run(args: &LaunchArgs) -> Result<(), LaunchError> {
     if args.nproc == 0 {
         return Err(LaunchError::NoProcesses);
     }
-    let launcher = match &args.mpirun {
-        Some(p) => p.clone(),
-        None => find_in_path("mpirun").ok_or(LaunchError::NoMpirun)?,
-    };
     let exe = std::env::current_exe().map_err(LaunchError::SelfPath)?;
-    let status = mpirun_command(&launcher, &exe, args)
-        .status()
-        .map_err(|source| LaunchError::Spawn {
-            launcher: launcher.clone(),
-            source,
-        })?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(LaunchError::Failed {
+    let failure = match args.via.unwrap_or_default() {
+        Via::Mpirun => {
+            let launcher = match &args.mpirun {
+                Some(p) => p.clone(),
+                None => find_in_path("mpirun").ok_or(LaunchError::NoMpirun)?,
+            };
+            let status = mpirun_command(&launcher, &exe, args)
+                .status()
+                .map_err(|source| LaunchError::Spawn { launcher, source })?;
+            (!status.success()).then(|| status.to_string())
+        }
+        Via::Tcp => run_over_tcp(&exe, args)?,
+    };
+    match failure {
+        None => Ok(()),
+        Some(status) => Err(LaunchError::Failed {
             nproc: args.nproc,
-            status: status.to_string(),
-        })
+            status,
+        }),
+    }
+}
+
+/// The command of world rank `rank` of `args.nproc` processes whose store is on
+/// `127.0.0.1:port`.
+pub fn rank_command(exe: &Path, args: &LaunchArgs, rank: usize, port: u16) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.args(&args.command)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", args.nproc.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string());
+    cmd
+}
+
+/// Starts the ranks with torchrun's variables and waits for them; returns the first failure
+/// (`rank R: STATUS`), if any.
+fn run_over_tcp(exe: &Path, args: &LaunchArgs) -> Result<Option<String>, LaunchError> {
+    // A port the system just handed out is free; rank 0 binds it again at once.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(LaunchError::NoPort)?
+        .port();
+    let mut children: Vec<Option<Child>> = Vec::with_capacity(args.nproc);
+    for rank in 0..args.nproc {
+        match rank_command(exe, args, rank, port).spawn() {
+            Ok(child) => children.push(Some(child)),
+            Err(source) => {
+                kill_all(&mut children);
+                return Err(LaunchError::Spawn {
+                    launcher: exe.to_path_buf(),
+                    source,
+                });
+            }
+        }
+    }
+    let mut first_failure: Option<(Instant, String)> = None;
+    loop {
+        let mut running = 0;
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    *slot = None;
+                    if !status.success() && first_failure.is_none() {
+                        first_failure = Some((Instant::now(), describe(rank, status)));
+                    }
+                }
+                Ok(None) => running += 1,
+                Err(source) => {
+                    kill_all(&mut children);
+                    return Err(LaunchError::Wait { rank, source });
+                }
+            }
+        }
+        if running == 0 {
+            return Ok(first_failure.map(|(_, s)| s));
+        }
+        if first_failure
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() > GRACE)
+        {
+            kill_all(&mut children);
+            return Ok(first_failure.map(|(_, s)| s));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `rank R: STATUS` for a failed rank.
+fn describe(rank: usize, status: ExitStatus) -> String {
+    format!("rank {rank}: {status}")
+}
+
+/// Kills and reaps the processes still running.
+fn kill_all(children: &mut [Option<Child>]) {
+    for mut child in children.iter_mut().filter_map(Option::take) {
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 
@@ -122,6 +252,7 @@ mod tests {
     fn the_command_runs_this_binary_n_times_with_the_arguments() {
         let args = LaunchArgs {
             nproc: 4,
+            via: None,
             mpirun: None,
             command: vec!["train".into(), "--pp".into(), "2".into()],
         };
@@ -144,5 +275,34 @@ mod tests {
             ]
         );
         assert!(run(&LaunchArgs { nproc: 0, ..args }).is_err());
+    }
+
+    #[test]
+    fn tcp_ranks_get_torchruns_variables() {
+        let args = LaunchArgs {
+            nproc: 3,
+            via: Some(Via::Tcp),
+            mpirun: None,
+            command: vec!["train".into(), "--dp".into(), "3".into()],
+        };
+        let cmd = rank_command(Path::new("/x/bfpp"), &args, 2, 29_512);
+        let argv: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(argv, ["train", "--dp", "3"]);
+        let env: std::collections::HashMap<String, String> = cmd
+            .get_envs()
+            .filter_map(|(k, v)| Some((k.to_str()?.to_owned(), v?.to_str()?.to_owned())))
+            .collect();
+        let lookup = |k: &str| env.get(k).cloned();
+        let read = burn_bfpp::comm::RendezvousEnv::from_lookup(lookup)
+            .expect("valid variables")
+            .expect("a launch");
+        assert_eq!((read.rank, read.world_size, read.local_rank), (2, 3, 2));
+        assert_eq!(
+            (read.master_addr.as_str(), read.master_port),
+            ("127.0.0.1", 29_512)
+        );
     }
 }

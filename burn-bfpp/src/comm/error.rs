@@ -138,6 +138,14 @@ pub enum CommError {
         /// What is wrong.
         reason: String,
     },
+    /// The processes of a world could not find or connect to each other at start-up.
+    #[error("rank {rank}: connecting the ranks' processes: {reason}")]
+    Rendezvous {
+        /// The rank that could not connect.
+        rank: usize,
+        /// What failed, with the address or variable involved.
+        reason: String,
+    },
     /// A library the communicator needs cannot be loaded (NCCL, CUDA).
     #[error("{what} is not available: {fix}")]
     Unavailable {

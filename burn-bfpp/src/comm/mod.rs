@@ -33,9 +33,10 @@
 //!
 //! [`LocalComm`] implements the trait for ranks that are threads of one process, each with its
 //! own Burn device; [`run_ranks`] runs one closure per rank on such a world and turns failures
-//! and panics into one error naming the rank that caused them. `MpiComm` (feature `mpi`)
-//! implements it for ranks that are processes started by `mpirun`/`srun`, with the same
-//! semantics and bitwise the same results.
+//! and panics into one error naming the rank that caused them. [`ProcessComm`] implements it
+//! for ranks that are processes, with the same semantics and bitwise the same results, over
+//! MPI (`MpiComm`, feature `mpi`, for `mpirun`/`srun`) or over TCP connections between the
+//! processes ([`TcpComm`], for torchrun-style launchers and `bfpp launch`).
 
 #[cfg(feature = "cuda")]
 mod cuda_peer;
@@ -49,11 +50,11 @@ mod mpi;
 mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_group;
-#[cfg(any(feature = "cuda", feature = "mpi", test))]
 mod nccl_host;
+mod process;
 mod store;
+mod tcp;
 mod threads;
-#[cfg(feature = "mpi")]
 mod wire;
 
 #[cfg(test)]
@@ -62,6 +63,8 @@ mod tests;
 mod tests_failure;
 #[cfg(test)]
 mod tests_nccl_checks;
+#[cfg(test)]
+mod tests_tcp;
 
 use std::fmt;
 use std::time::Duration;
@@ -70,16 +73,17 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 #[cfg(feature = "mpi")]
-pub use self::mpi::{mpi_launch_env, MpiComm};
+pub use self::mpi::{mpi_launch_env, MpiComm, MpiTransport};
 pub use error::{CommError, RankError};
 pub use local::LocalComm;
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, CudaBackend, NcclComm};
 #[cfg(feature = "cuda")]
 pub use nccl_host::NcclHost;
-#[cfg(any(feature = "cuda", feature = "mpi"))]
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
+pub use process::{Incoming, ProcessComm, Transport};
 pub use store::{RendezvousEnv, StoreError, TcpStore};
+pub use tcp::{TcpComm, TcpTransport};
 pub use threads::{run_ranks, ThreadRank, World};
 
 /// Which of a rank's two groups a collective runs over.

@@ -258,6 +258,18 @@ impl TcpStore {
         }
     }
 
+    /// The address of this machine on the route to the store: where ranks on other nodes can
+    /// reach this one (used to publish a rank's own listening address).
+    pub fn local_ip(&self) -> Result<std::net::IpAddr, StoreError> {
+        let s = self.open("(local address)")?;
+        s.local_addr()
+            .map(|a| a.ip())
+            .map_err(|source| StoreError::Io {
+                addr: self.addr.clone(),
+                source,
+            })
+    }
+
     /// Stores `value` under `key` (replacing an earlier value).
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let io = |source| StoreError::Io {

@@ -9,7 +9,6 @@
 
 mod error;
 mod executor;
-#[cfg(feature = "mpi")]
 mod multiprocess;
 mod nonfinite;
 mod precision;
@@ -24,8 +23,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::AutodiffBackend;
 
 pub use error::EngineError;
-#[cfg(feature = "mpi")]
-pub use multiprocess::{train_mpi, train_mpi_with};
+pub use multiprocess::{train_processes, train_processes_with};
 pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
 pub use precision::{LossScaling, Precision, ScalerState};
 pub use profile::StepProfile;

@@ -1,5 +1,5 @@
-//! Training with one rank per process over [`MpiComm`] (feature `mpi`): this process runs its
-//! own rank with [`train_rank`], then the results are gathered to world rank 0, which
+//! Training with one rank per process over a [`ProcessComm`] (MPI or TCP): this process runs
+//! its own rank with [`train_rank`], then the results are gathered to world rank 0, which
 //! assembles the same [`TrainOutcome`] as [`super::train_local`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::rank::{stages_for_rank, train_rank_with, RankPlan};
 use super::snapshot::Checkpointing;
 use super::{EngineConfig, EngineError, StepReport, TimedEvent, TrainOutcome};
-use crate::comm::{CommError, Communicator, Group, MpiComm};
+use crate::comm::{CommError, Communicator, Group, ProcessComm, Transport};
 use crate::model::{flatten_params, load_flat, recombine, MicroBatch, PipelineModel};
 use crate::schedule::Action;
 
@@ -47,15 +47,15 @@ fn comm_err(e: CommError) -> EngineError {
     EngineError::Comm(e)
 }
 
-/// Trains this process's rank of a world of MPI processes; returns the outcome on world rank
+/// Trains this process's rank of a world of processes (MPI or TCP); returns the outcome on world rank
 /// 0 and `None` on the others.
 ///
 /// Every process must call this with an identically initialised `model` and the same
 /// configuration (they cut their own stages from it, so no weights are sent at start-up).
 /// Timelines are measured from an instant every rank takes right after a world barrier.
 /// If this rank fails or panics, every other rank is told and fails naming it.
-pub fn train_mpi<B, M, F, P>(
-    comm: &MpiComm<B::InnerBackend>,
+pub fn train_processes<B, M, T, F, P>(
+    comm: &ProcessComm<B::InnerBackend, T>,
     model: &M,
     cfg: &EngineConfig,
     steps: usize,
@@ -66,11 +66,12 @@ pub fn train_mpi<B, M, F, P>(
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
+    T: Transport,
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {
     let fresh = Checkpointing::default();
-    train_mpi_with(
+    train_processes_with(
         comm,
         model,
         cfg,
@@ -82,7 +83,7 @@ where
     )
 }
 
-/// [`train_mpi`] that may resume from saved rank states and save checkpoints, like
+/// [`train_processes`] that may resume from saved rank states and save checkpoints, like
 /// [`super::train_local_with`]; `steps` counts total steps, including those before the
 /// resume.
 ///
@@ -91,8 +92,8 @@ where
 /// processes share. Each process writes its own rank's files; world rank 0 commits (writes
 /// the manifest, prunes) only after every rank reported its files durably written.
 #[allow(clippy::too_many_arguments)]
-pub fn train_mpi_with<B, M, F, P>(
-    comm: &MpiComm<B::InnerBackend>,
+pub fn train_processes_with<B, M, T, F, P>(
+    comm: &ProcessComm<B::InnerBackend, T>,
     model: &M,
     cfg: &EngineConfig,
     steps: usize,
@@ -104,6 +105,7 @@ pub fn train_mpi_with<B, M, F, P>(
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
+    T: Transport,
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {
@@ -142,8 +144,8 @@ where
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run<B, M, F, P>(
-    comm: &MpiComm<B::InnerBackend>,
+fn run<B, M, T, F, P>(
+    comm: &ProcessComm<B::InnerBackend, T>,
     model: &M,
     cfg: &EngineConfig,
     steps: usize,
@@ -155,6 +157,7 @@ fn run<B, M, F, P>(
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
+    T: Transport,
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {

@@ -1,0 +1,627 @@
+//! [`ProcessComm`]: one rank per process, exchanging messages over a [`Transport`]: MPI
+//! (`MpiComm`, feature `mpi`, for `mpirun`/`srun`) or TCP connections
+//! between the processes ([`TcpComm`](super::TcpComm), for torchrun-style launchers and
+//! `bfpp launch`).
+//!
+//! The semantics are exactly those of [`LocalComm`](super::LocalComm), and so are the results:
+//! tensors travel as host values (see [`wire`](super::wire)), collectives are one exchange
+//! round among the group's members and reductions run on the host in group-rank order
+//! ([`host`](super::host)), so a multi-process run is bitwise the in-process run.
+//!
+//! Nothing here blocks inside the transport: sends are posted and return, and every wait
+//! polls for arrived messages against a deadline, so every call honours
+//! [`CommConfig::timeout`]. Every incoming message is drained into a local inbox keyed by
+//! `(source, stream)`, which gives tag matching in any order and lets an abort notice overtake
+//! data the rank is not waiting for yet.
+//!
+//! Fail-stop: the first error a rank meets (or [`Communicator::abort`]) is recorded and sent to
+//! every other rank as an abort notice; they fail their current or next call with
+//! [`CommError::PeerFailed`] naming it. A transport that sees a peer's process go away (TCP)
+//! fails a wait on that peer at once with [`CommError::PeerExited`] instead of at the timeout.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use super::host::{self, HostBuf};
+use super::wire::{self, Message, Payload, Stream};
+use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
+
+/// Longest sleep between two polls of a waiting receive (see [`ProcessComm::wait`]).
+const MAX_NAP: Duration = Duration::from_micros(200);
+
+/// Polls a waiting receive makes, yielding the core in between, before it starts sleeping.
+const YIELDING_POLLS: u32 = 32;
+
+/// How long a dropped communicator waits for its last sends (abort notices above all) to
+/// leave before giving up on them.
+const FLUSH_LIMIT: Duration = Duration::from_secs(5);
+
+/// What arrived from the transport.
+pub enum Incoming {
+    /// One message, as the peer posted it.
+    Message {
+        /// The sender's world rank.
+        from: usize,
+        /// The message.
+        bytes: Vec<u8>,
+    },
+    /// The connection to a peer ended (its process exited or crashed); every message it sent
+    /// before was delivered first.
+    Lost {
+        /// The peer's world rank.
+        from: usize,
+        /// What the transport saw.
+        reason: String,
+    },
+}
+
+/// How the messages of a [`ProcessComm`] travel between processes. A transport delivers each
+/// message whole, and the messages from one peer in the order they were posted.
+pub trait Transport {
+    /// Starts sending `bytes` to world rank `peer`; never waits for the peer.
+    fn post(&mut self, peer: usize, bytes: Vec<u8>);
+    /// The next arrived message or event, if any; never blocks.
+    fn poll(&mut self) -> Option<Incoming>;
+    /// Whether posted messages have still not left (a dropped communicator waits for them,
+    /// abort notices above all).
+    fn sends_in_flight(&mut self) -> bool;
+    /// Gives up on the messages still in flight (their peers stopped taking them).
+    fn abandon(&mut self);
+}
+
+/// Mutable state: the calls take `&self` like every [`Communicator`].
+#[derive(Default)]
+struct State {
+    inbox: HashMap<(usize, Stream), VecDeque<(CommOp, Payload)>>,
+    /// Peers whose process has gone, with what the transport saw.
+    lost: HashMap<usize, String>,
+    /// Next collective number of the pipeline and data-parallel groups.
+    seq: [u64; 2],
+    /// The world's first failure this rank knows of, as `(rank, cause)`.
+    failure: Option<(usize, String)>,
+}
+
+/// A rank of a world whose ranks are processes, exchanging messages over the transport `T`;
+/// see the [module docs](self).
+///
+/// Like [`LocalComm`](super::LocalComm) it is used from one thread. Dropping it waits briefly
+/// for outstanding sends.
+pub struct ProcessComm<B: Backend, T: Transport> {
+    grid: RankGrid,
+    rank: usize,
+    device: B::Device,
+    config: CommConfig,
+    state: RefCell<State>,
+    /// Dropped after the state: MPI's transport finalises MPI when dropped.
+    transport: RefCell<T>,
+}
+
+impl<B: Backend, T: Transport> fmt::Debug for ProcessComm<B, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessComm")
+            .field("rank", &self.rank)
+            .field("grid", &self.grid)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend, T: Transport> ProcessComm<B, T> {
+    /// World rank `rank` of `grid`, computing on `device`, over a transport already connected
+    /// to every other rank of the world.
+    pub(crate) fn new(
+        grid: RankGrid,
+        rank: usize,
+        device: B::Device,
+        config: CommConfig,
+        transport: T,
+    ) -> Self {
+        ProcessComm {
+            grid,
+            rank,
+            device,
+            config,
+            state: RefCell::new(State::default()),
+            transport: RefCell::new(transport),
+        }
+    }
+
+    /// The configuration this rank was created with.
+    pub fn config(&self) -> CommConfig {
+        self.config
+    }
+
+    /// The world's first failure this rank knows of, as `(rank, cause)`.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.state.borrow().failure.clone()
+    }
+
+    /// Sends opaque bytes to world rank `peer` on stream `tag` (result gathering); does not
+    /// block.
+    pub fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
+        let action = CommOp::Send { tag };
+        self.check(action, &[bytes.len()])?;
+        self.check_peer(peer, action)?;
+        self.post_data(peer, Stream::Bytes(tag), action, &Payload::Bytes(bytes))
+    }
+
+    /// Receives the oldest bytes world rank `peer` sent on stream `tag`.
+    pub fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
+        let action = CommOp::Recv { tag };
+        self.check(action, &[])?;
+        self.check_peer(peer, action)?;
+        match self.wait(peer, Stream::Bytes(tag), action, &[])? {
+            Payload::Bytes(b) => Ok(b),
+            _ => Err(self.fail(self.data(action, format!("rank {peer} sent no bytes")))),
+        }
+    }
+
+    fn data(&self, action: CommOp, reason: String) -> CommError {
+        CommError::Data {
+            rank: self.rank,
+            action,
+            reason,
+        }
+    }
+
+    /// Records `err` as this world's failure (unless one is known already, whose consequence
+    /// `err` then is) and tells every other rank; returns `err`.
+    fn fail(&self, err: CommError) -> CommError {
+        if !matches!(err, CommError::PeerFailed { .. }) {
+            self.abort(&err.to_string());
+        }
+        err
+    }
+
+    /// Fails with [`CommError::PeerFailed`] once any rank is known to have failed.
+    fn check(&self, action: CommOp, shape: &[usize]) -> Result<(), CommError> {
+        self.progress();
+        match &self.state.borrow().failure {
+            Some((failed_rank, cause)) => Err(CommError::PeerFailed {
+                rank: self.rank,
+                action,
+                shape: shape.to_vec(),
+                failed_rank: *failed_rank,
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn check_peer(&self, peer: usize, action: CommOp) -> Result<(), CommError> {
+        if peer < self.grid.world_size() {
+            return Ok(());
+        }
+        Err(self.fail(CommError::InvalidArgument {
+            rank: self.rank,
+            action,
+            reason: format!(
+                "peer {peer} is not a rank of a world of {}",
+                self.grid.world_size()
+            ),
+        }))
+    }
+
+    /// Starts sending `bytes` to world rank `peer`.
+    fn post(&self, peer: usize, bytes: Vec<u8>) {
+        self.transport.borrow_mut().post(peer, bytes);
+    }
+
+    fn post_data(
+        &self,
+        peer: usize,
+        stream: Stream,
+        op: CommOp,
+        payload: &Payload,
+    ) -> Result<(), CommError> {
+        let bytes =
+            wire::encode_data(stream, op, payload).map_err(|r| self.fail(self.data(op, r)))?;
+        self.post(peer, bytes);
+        Ok(())
+    }
+
+    /// Drains every message that has arrived into the inbox.
+    fn progress(&self) {
+        loop {
+            let Some(incoming) = self.transport.borrow_mut().poll() else {
+                return;
+            };
+            let mut state = self.state.borrow_mut();
+            match incoming {
+                Incoming::Lost { from, reason } => {
+                    state.lost.insert(from, reason);
+                }
+                Incoming::Message { from, bytes } => match wire::decode(&bytes) {
+                    Ok(Message::Data {
+                        stream,
+                        op,
+                        payload,
+                    }) => state
+                        .inbox
+                        .entry((from, stream))
+                        .or_default()
+                        .push_back((op, payload)),
+                    Ok(Message::Abort { rank, cause }) => {
+                        state.failure.get_or_insert((rank, cause));
+                    }
+                    Err(reason) => {
+                        state.failure.get_or_insert((
+                            from,
+                            format!("rank {} received a malformed message: {reason}", self.rank),
+                        ));
+                    }
+                },
+            }
+        }
+    }
+
+    /// Waits for the oldest message from `peer` on `stream`, until the timeout.
+    fn wait(
+        &self,
+        peer: usize,
+        stream: Stream,
+        action: CommOp,
+        shape: &[usize],
+    ) -> Result<Payload, CommError> {
+        let start = Instant::now();
+        // Yield a little, then back off to short sleeps: messages usually arrive within
+        // microseconds, but ranks share cores with compute, so a waiting rank must not spin
+        // for long. The naps stay short because a message noticed late is pipeline time
+        // lost: on the critical path every receive would add up to one nap.
+        let mut polls = 0u32;
+        let mut nap = Duration::from_micros(20);
+        let max_nap = self.config.poll_interval.min(MAX_NAP);
+        loop {
+            self.check(action, shape)?;
+            let found = self
+                .state
+                .borrow_mut()
+                .inbox
+                .get_mut(&(peer, stream))
+                .and_then(VecDeque::pop_front);
+            if let Some((op, payload)) = found {
+                if let (Stream::Collective(_, seq), false) = (stream, op == action) {
+                    return Err(self.fail(CommError::CollectiveMismatch {
+                        rank: self.rank,
+                        peer,
+                        action,
+                        peer_action: op,
+                        seq,
+                        peer_seq: seq,
+                    }));
+                }
+                return Ok(payload);
+            }
+            if self.state.borrow().lost.contains_key(&peer) {
+                // Everything the peer sent arrived before its connection ended.
+                return Err(self.fail(CommError::PeerExited {
+                    rank: self.rank,
+                    peer,
+                    action,
+                    shape: shape.to_vec(),
+                }));
+            }
+            let after = start.elapsed();
+            if after >= self.config.timeout {
+                return Err(self.fail(CommError::Timeout {
+                    rank: self.rank,
+                    peer,
+                    action,
+                    shape: shape.to_vec(),
+                    after,
+                    // A process cannot see what its peers are waiting on.
+                    stalled: None,
+                }));
+            }
+            polls += 1;
+            if polls <= YIELDING_POLLS {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(max_nap);
+            }
+        }
+    }
+
+    fn next_seq(&self, group: Group) -> u64 {
+        let i = match group {
+            Group::Pipeline => 0,
+            Group::DataParallel => 1,
+        };
+        let mut state = self.state.borrow_mut();
+        let seq = state.seq[i];
+        state.seq[i] += 1;
+        seq
+    }
+
+    fn read_host<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        action: CommOp,
+    ) -> Result<HostBuf, CommError> {
+        let data = tensor
+            .try_into_data()
+            .map_err(|e| self.fail(self.data(action, e.to_string())))?;
+        HostBuf::from_data(data).map_err(|r| self.fail(self.data(action, r)))
+    }
+
+    fn build_tensor<const D: usize>(&self, data: TensorData) -> Tensor<B, D> {
+        let dtype = data.dtype;
+        Tensor::from_data(data, (&self.device, dtype))
+    }
+
+    fn expect_tensor(
+        &self,
+        payload: Payload,
+        peer: usize,
+        action: CommOp,
+        shape: &[usize],
+    ) -> Result<HostBuf, CommError> {
+        let Payload::Tensor(buf) = payload else {
+            return Err(self.fail(self.data(action, format!("rank {peer} sent no tensor"))));
+        };
+        if buf.shape != shape {
+            return Err(self.fail(CommError::ShapeMismatch {
+                rank: self.rank,
+                peer,
+                action,
+                expected: shape.to_vec(),
+                actual: buf.shape.clone(),
+            }));
+        }
+        Ok(buf)
+    }
+
+    /// Sends this rank's contribution to every other member of `group` and returns all
+    /// contributions in group-rank order with the members' world ranks.
+    fn gather_contributions(
+        &self,
+        group: Group,
+        action: CommOp,
+        shape: &[usize],
+        mine: HostBuf,
+    ) -> Result<(Vec<HostBuf>, Vec<usize>), CommError> {
+        let stream = Stream::Collective(group, self.next_seq(group));
+        let members = self.group_members(group);
+        let mine = Payload::Tensor(mine);
+        for &m in members.iter().filter(|&&m| m != self.rank) {
+            self.post_data(m, stream, action, &mine)?;
+        }
+        let Payload::Tensor(mine) = mine else {
+            return Err(self.data(action, "own contribution lost".into()));
+        };
+        let mut parts = Vec::with_capacity(members.len());
+        for &m in &members {
+            if m == self.rank {
+                parts.push(mine.clone());
+            } else {
+                let payload = self.wait(m, stream, action, shape)?;
+                parts.push(self.expect_tensor(payload, m, action, shape)?);
+            }
+        }
+        Ok((parts, members))
+    }
+
+    fn reduce<const D: usize, const DO: usize>(
+        &self,
+        group: Group,
+        action: CommOp,
+        tensor: Tensor<B, D>,
+        op: ReduceOp,
+        range: std::ops::Range<usize>,
+        out_shape: Vec<usize>,
+    ) -> Result<Tensor<B, DO>, CommError> {
+        let shape = tensor.dims().to_vec();
+        let mine = self.read_host(tensor, action)?;
+        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
+        let refs: Vec<&HostBuf> = parts.iter().collect();
+        let out = host::reduce(&refs, range, op, out_shape).map_err(|(i, reason)| {
+            self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
+        })?;
+        Ok(self.build_tensor(out.into_data()))
+    }
+}
+
+impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
+    fn grid(&self) -> RankGrid {
+        self.grid
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    fn send<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        tensor: Tensor<B, D>,
+    ) -> Result<(), CommError> {
+        let action = CommOp::Send { tag };
+        let shape = tensor.dims().to_vec();
+        self.check(action, &shape)?;
+        self.check_peer(peer, action)?;
+        let buf = self.read_host(tensor, action)?;
+        self.post_data(peer, Stream::P2p(tag), action, &Payload::Tensor(buf))
+    }
+
+    fn recv<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        shape: [usize; D],
+    ) -> Result<Tensor<B, D>, CommError> {
+        let action = CommOp::Recv { tag };
+        self.check(action, &shape)?;
+        self.check_peer(peer, action)?;
+        // A message's `op` is the sender's `Send`; p2p streams are matched by tag alone.
+        let payload = self.wait(peer, Stream::P2p(tag), action, &shape)?;
+        let buf = self.expect_tensor(payload, peer, action, &shape)?;
+        Ok(self.build_tensor(buf.into_data()))
+    }
+
+    fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError> {
+        let action = CommOp::AllGather(group);
+        let shape = shard.dims().to_vec();
+        self.check(action, &shape)?;
+        if self.group_size(group) == 1 {
+            self.next_seq(group);
+            return Ok(shard);
+        }
+        let mine = self.read_host(shard, action)?;
+        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
+        let refs: Vec<&HostBuf> = parts.iter().collect();
+        let out = host::concat(&refs).map_err(|(i, reason)| {
+            self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
+        })?;
+        Ok(self.build_tensor(out.into_data()))
+    }
+
+    fn reduce_scatter(
+        &self,
+        group: Group,
+        tensor: Tensor<B, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let action = CommOp::ReduceScatter(group, op);
+        let [len] = tensor.dims();
+        self.check(action, &[len])?;
+        let size = self.group_size(group);
+        if len % size != 0 {
+            return Err(self.fail(CommError::InvalidArgument {
+                rank: self.rank,
+                action,
+                reason: format!("length {len} is not divisible by the group size {size}"),
+            }));
+        }
+        if size == 1 {
+            self.next_seq(group);
+            return Ok(tensor);
+        }
+        let chunk = len / size;
+        let start = self.group_rank(group) * chunk;
+        self.reduce(group, action, tensor, op, start..start + chunk, vec![chunk])
+    }
+
+    fn all_reduce<const D: usize>(
+        &self,
+        group: Group,
+        tensor: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let action = CommOp::AllReduce(group, op);
+        let shape = tensor.dims().to_vec();
+        self.check(action, &shape)?;
+        if self.group_size(group) == 1 {
+            self.next_seq(group);
+            return Ok(tensor);
+        }
+        let len = shape.iter().product();
+        self.reduce(group, action, tensor, op, 0..len, shape)
+    }
+
+    fn broadcast<const D: usize>(
+        &self,
+        group: Group,
+        root: usize,
+        tensor: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let action = CommOp::Broadcast(group, root);
+        let shape = tensor.dims().to_vec();
+        self.check(action, &shape)?;
+        let members = self.group_members(group);
+        let Some(&root_rank) = members.get(root) else {
+            return Err(self.fail(CommError::InvalidArgument {
+                rank: self.rank,
+                action,
+                reason: format!(
+                    "root {root} is not a member of a group of {}",
+                    members.len()
+                ),
+            }));
+        };
+        let stream = Stream::Collective(group, self.next_seq(group));
+        if root_rank == self.rank {
+            if members.len() > 1 {
+                let mine = Payload::Tensor(self.read_host(tensor.clone(), action)?);
+                for &m in members.iter().filter(|&&m| m != self.rank) {
+                    self.post_data(m, stream, action, &mine)?;
+                }
+            }
+            return Ok(tensor);
+        }
+        let payload = self.wait(root_rank, stream, action, &shape)?;
+        let buf = self.expect_tensor(payload, root_rank, action, &shape)?;
+        Ok(self.build_tensor(buf.into_data()))
+    }
+
+    fn barrier(&self, group: Group) -> Result<(), CommError> {
+        let action = CommOp::Barrier(group);
+        self.check(action, &[])?;
+        let stream = Stream::Collective(group, self.next_seq(group));
+        let others: Vec<usize> = self
+            .group_members(group)
+            .into_iter()
+            .filter(|&r| r != self.rank)
+            .collect();
+        for &m in &others {
+            self.post_data(m, stream, action, &Payload::Empty)?;
+        }
+        for &m in &others {
+            self.wait(m, stream, action, &[])?;
+        }
+        Ok(())
+    }
+
+    fn abort(&self, cause: &str) {
+        {
+            let mut state = self.state.borrow_mut();
+            if state.failure.is_some() {
+                return;
+            }
+            state.failure = Some((self.rank, cause.to_string()));
+        }
+        for peer in (0..self.grid.world_size()).filter(|&p| p != self.rank) {
+            self.post(peer, wire::encode_abort(self.rank, cause));
+        }
+    }
+}
+
+impl<B: Backend, T: Transport> Drop for ProcessComm<B, T> {
+    fn drop(&mut self) {
+        // Abort notices must leave before this process exits.
+        let start = Instant::now();
+        while self.transport.get_mut().sends_in_flight() && start.elapsed() < FLUSH_LIMIT {
+            self.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Sends no peer ever took (it died).
+        if self.transport.get_mut().sends_in_flight() {
+            self.transport.get_mut().abandon();
+        }
+    }
+}
+
+/// Process ranks can layer `NcclComm` on a `ProcessComm` (`NcclComm::over_host`): the call
+/// agreement before each NCCL call is a small all-gather over the transport.
+#[cfg(feature = "cuda")]
+impl<B: Backend, T: Transport> super::NcclHost<B> for ProcessComm<B, T> {
+    fn agree(&self, group: Group, action: CommOp, shape: &[usize]) -> Result<(), CommError> {
+        super::agree_by_all_gather(self, group, action, shape)
+    }
+    fn fail(&self, err: CommError) -> CommError {
+        ProcessComm::fail(self, err)
+    }
+    fn config(&self) -> CommConfig {
+        ProcessComm::config(self)
+    }
+}

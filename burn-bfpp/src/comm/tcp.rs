@@ -1,0 +1,350 @@
+//! [`TcpComm`]: one rank per process, the processes connected to each other over TCP: a
+//! [`ProcessComm`] for launchers that are not MPI (torchrun, Slurm's `srun` without PMI,
+//! `bfpp launch`) and for machines without an MPI library.
+//!
+//! Start-up uses the launcher's environment ([`RendezvousEnv`]) and the job's
+//! [`TcpStore`] on `MASTER_ADDR:MASTER_PORT`: every rank listens on a port of its own and
+//! publishes its address there, then connects to every lower rank and accepts every higher
+//! one, so each pair of ranks shares one connection. Connecting never waits for the peer to
+//! accept (the peer listens before it publishes), so the mesh cannot deadlock.
+//!
+//! Each connection has a reader thread, which turns the length-prefixed frames into
+//! [`Incoming`] messages (and the end of the connection into [`Incoming::Lost`], so a wait on
+//! a process that died fails at once), and a writer thread, so that posting never blocks on a
+//! slow peer.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+
+use super::process::{Incoming, ProcessComm, Transport};
+use super::store::{RendezvousEnv, TcpStore};
+use super::{CommConfig, CommError, RankGrid};
+
+/// A rank of a world whose ranks are processes connected over TCP: a [`ProcessComm`] over
+/// [`TcpTransport`], created by [`TcpComm::connect`].
+pub type TcpComm<B> = ProcessComm<B, TcpTransport>;
+
+/// First bytes of every connection, so a stray client is refused instead of misread.
+const HELLO: &[u8; 8] = b"bfpp-tcp";
+
+/// Largest frame accepted (a corrupted length must not allocate the machine's memory).
+const MAX_FRAME: u64 = 1 << 40;
+
+/// Messages as length-prefixed frames on one TCP connection per pair of ranks.
+pub struct TcpTransport {
+    incoming: Receiver<Incoming>,
+    /// Messages to this rank itself go straight to its own inbox.
+    to_self: Sender<Incoming>,
+    rank: usize,
+    /// One writer queue per world rank (`None` for this rank).
+    outgoing: Vec<Option<Sender<Vec<u8>>>>,
+    /// Messages posted and not yet written to their socket.
+    in_flight: Arc<AtomicUsize>,
+    /// The connections, to shut them down when the transport is dropped.
+    sockets: Vec<TcpStream>,
+    /// Kept alive until this rank is done: on world rank 0 it serves the store, which ranks
+    /// still connecting may need.
+    _store: TcpStore,
+}
+
+impl<B: Backend> ProcessComm<B, TcpTransport> {
+    /// Joins the world described by `env` (the launcher's variables) as world rank
+    /// `env.rank` of `grid`, computing on `device`: publishes this rank's address in the
+    /// job's store and connects to every other rank. Every rank of the world calls it; it
+    /// waits at most `config.timeout` for the others.
+    ///
+    /// Fails if the launcher started a world of another size than `grid`, or if the store or
+    /// a peer cannot be reached in time.
+    pub fn connect(
+        env: &RendezvousEnv,
+        grid: RankGrid,
+        device: B::Device,
+        config: CommConfig,
+    ) -> Result<Self, CommError> {
+        if env.world_size != grid.world_size() {
+            return Err(CommError::InvalidGrid {
+                pp: grid.pp(),
+                dp: grid.dp(),
+                reason: format!(
+                    "the launcher started {} processes but pp {} × dp {} needs {}; start {} \
+                     processes (e.g. `bfpp launch --nproc {}`) or change --pp/--dp",
+                    env.world_size,
+                    grid.pp(),
+                    grid.dp(),
+                    grid.world_size(),
+                    grid.world_size(),
+                    grid.world_size()
+                ),
+            });
+        }
+        let transport =
+            TcpTransport::connect(env, config.timeout).map_err(|reason| CommError::Rendezvous {
+                rank: env.rank,
+                reason,
+            })?;
+        Ok(ProcessComm::new(grid, env.rank, device, config, transport))
+    }
+}
+
+/// The store key under which `rank` publishes its listening address.
+fn address_key(rank: usize) -> String {
+    format!("bfpp/tcp/address/{rank}")
+}
+
+impl TcpTransport {
+    /// Builds the mesh of connections; see the [module docs](self).
+    fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, String> {
+        let deadline = Instant::now() + timeout;
+        let store = TcpStore::connect(env, timeout).map_err(|e| e.to_string())?;
+        // Peers reach this rank at the address it reaches the store from.
+        let ip = store.local_ip().map_err(|e| e.to_string())?;
+        let any: std::net::IpAddr = if ip.is_ipv4() {
+            std::net::Ipv4Addr::UNSPECIFIED.into()
+        } else {
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        };
+        let listener = TcpListener::bind(SocketAddr::new(any, 0))
+            .map_err(|e| format!("cannot listen on a port of {any}: {e}"))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| format!("cannot read the listening address: {e}"))?
+            .port();
+        let own = SocketAddr::new(ip, port);
+        store
+            .set(&address_key(env.rank), own.to_string().as_bytes())
+            .map_err(|e| e.to_string())?;
+
+        let mut streams: Vec<Option<TcpStream>> = (0..env.world_size).map(|_| None).collect();
+        for (peer, slot) in streams.iter_mut().enumerate().take(env.rank) {
+            let bytes = store.get(&address_key(peer)).map_err(|e| e.to_string())?;
+            let addr: SocketAddr = String::from_utf8_lossy(&bytes)
+                .parse()
+                .map_err(|e| format!("rank {peer} published a malformed address: {e}"))?;
+            let mut stream = connect_until(addr, deadline)
+                .map_err(|e| format!("cannot connect to rank {peer} at {addr}: {e}"))?;
+            stream
+                .write_all(&hello(env.rank))
+                .map_err(|e| format!("greeting rank {peer} at {addr}: {e}"))?;
+            *slot = Some(stream);
+        }
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("listening on {own}: {e}"))?;
+        let mut missing = env.world_size - 1 - env.rank;
+        while missing > 0 {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    let peer = greeted_by(&stream, deadline)
+                        .map_err(|e| format!("a connection from {from}: {e}"))?;
+                    if peer <= env.rank || peer >= env.world_size || streams[peer].is_some() {
+                        return Err(format!(
+                            "a connection from {from} claims to be rank {peer}, which is not \
+                             an expected higher rank of a world of {} (two jobs on one \
+                             MASTER_PORT?)",
+                            env.world_size
+                        ));
+                    }
+                    streams[peer] = Some(stream);
+                    missing -= 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let waiting: Vec<usize> = (env.rank + 1..env.world_size)
+                            .filter(|&p| streams[p].is_none())
+                            .collect();
+                        return Err(format!(
+                            "ranks {waiting:?} did not connect to {own} within {timeout:?} \
+                             (did they start? is the port reachable from their nodes?)"
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(format!("accepting on {own}: {e}")),
+            }
+        }
+        Self::start(env.rank, streams, store)
+    }
+
+    /// Starts a reader and a writer thread for every connection.
+    fn start(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        store: TcpStore,
+    ) -> Result<Self, String> {
+        let (to_self, incoming) = mpsc::channel();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let mut outgoing = Vec::with_capacity(streams.len());
+        let mut sockets = Vec::new();
+        for (peer, stream) in streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                outgoing.push(None);
+                continue;
+            };
+            let clone = |s: &TcpStream| {
+                s.try_clone()
+                    .map_err(|e| format!("connection to rank {peer}: {e}"))
+            };
+            // Frames are small and latency-bound (pipeline transfers on the critical path).
+            stream
+                .set_nodelay(true)
+                .and_then(|()| stream.set_nonblocking(false))
+                .and_then(|()| stream.set_read_timeout(None))
+                .map_err(|e| format!("connection to rank {peer}: {e}"))?;
+            let (reader, writer) = (clone(&stream)?, clone(&stream)?);
+            sockets.push(stream);
+            let events = to_self.clone();
+            std::thread::spawn(move || read_frames(peer, reader, events));
+            let (queue, frames) = mpsc::channel::<Vec<u8>>();
+            let count = Arc::clone(&in_flight);
+            std::thread::spawn(move || write_frames(writer, frames, count));
+            outgoing.push(Some(queue));
+        }
+        Ok(TcpTransport {
+            incoming,
+            to_self,
+            rank,
+            outgoing,
+            in_flight,
+            sockets,
+            _store: store,
+        })
+    }
+}
+
+/// Connects to `addr`, retrying refused attempts until `deadline`.
+fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStream> {
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(stream) => return Ok(stream),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// The greeting a connecting rank sends: [`HELLO`] and its world rank.
+fn hello(rank: usize) -> Vec<u8> {
+    let mut bytes = HELLO.to_vec();
+    bytes.extend_from_slice(&(rank as u64).to_le_bytes());
+    bytes
+}
+
+/// Reads a greeting, waiting until `deadline`; returns the peer's world rank.
+fn greeted_by(stream: &TcpStream, deadline: Instant) -> Result<usize, String> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    let mut stream = stream;
+    stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_read_timeout(Some(left)))
+        .map_err(|e| e.to_string())?;
+    let mut greeting = [0u8; 16];
+    stream
+        .read_exact(&mut greeting)
+        .map_err(|e| format!("no greeting: {e}"))?;
+    if &greeting[..8] != HELLO {
+        return Err("not a bfpp rank (wrong greeting)".into());
+    }
+    let mut rank = [0u8; 8];
+    rank.copy_from_slice(&greeting[8..]);
+    usize::try_from(u64::from_le_bytes(rank)).map_err(|e| e.to_string())
+}
+
+/// Reader thread: every frame from `peer` becomes an [`Incoming::Message`]; the end of the
+/// connection becomes one [`Incoming::Lost`].
+fn read_frames(peer: usize, stream: TcpStream, events: Sender<Incoming>) {
+    let mut reader = BufReader::new(stream);
+    let reason = loop {
+        let mut len = [0u8; 8];
+        if let Err(e) = reader.read_exact(&mut len) {
+            break if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "its process closed the connection".to_string()
+            } else {
+                format!("reading from its connection: {e}")
+            };
+        }
+        let len = u64::from_le_bytes(len);
+        if len > MAX_FRAME {
+            break format!("it sent a frame of {len} bytes (corrupted stream?)");
+        }
+        let mut bytes = vec![0u8; len as usize];
+        if let Err(e) = reader.read_exact(&mut bytes) {
+            break format!("its connection ended inside a message: {e}");
+        }
+        if events
+            .send(Incoming::Message { from: peer, bytes })
+            .is_err()
+        {
+            return; // this rank's transport is gone
+        }
+    };
+    let _ = events.send(Incoming::Lost { from: peer, reason });
+}
+
+/// Writer thread: writes the queued frames in order. After a write error (the peer is gone)
+/// the rest are dropped; the peer's reader side reports the loss.
+fn write_frames(stream: TcpStream, frames: Receiver<Vec<u8>>, in_flight: Arc<AtomicUsize>) {
+    let mut writer = BufWriter::new(stream);
+    let mut broken = false;
+    while let Ok(bytes) = frames.recv() {
+        if !broken {
+            let len = (bytes.len() as u64).to_le_bytes();
+            let written = writer
+                .write_all(&len)
+                .and_then(|()| writer.write_all(&bytes))
+                .and_then(|()| writer.flush());
+            broken = written.is_err();
+        }
+        in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Transport for TcpTransport {
+    fn post(&mut self, peer: usize, bytes: Vec<u8>) {
+        if peer == self.rank {
+            let _ = self.to_self.send(Incoming::Message { from: peer, bytes });
+            return;
+        }
+        // Callers check `peer` against the world size first.
+        if let Some(Some(queue)) = self.outgoing.get(peer) {
+            self.in_flight.fetch_add(1, Ordering::AcqRel);
+            if queue.send(bytes).is_err() {
+                self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    fn poll(&mut self) -> Option<Incoming> {
+        self.incoming.try_recv().ok()
+    }
+
+    fn sends_in_flight(&mut self) -> bool {
+        self.in_flight.load(Ordering::Acquire) > 0
+    }
+
+    fn abandon(&mut self) {
+        // Closing the queues ends the writer threads once they are unblocked below.
+        self.outgoing.clear();
+        for socket in &self.sockets {
+            let _ = socket.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        // Everything posted has been written (or abandoned): tell the peers this rank is done,
+        // and leave the read side open so nothing in flight towards this rank is reset.
+        self.outgoing.clear();
+        for socket in &self.sockets {
+            let _ = socket.shutdown(Shutdown::Write);
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! [`TcpComm`] on loopback, each rank a thread with its own connections (as it would be a
+//! process): the same results as [`LocalComm`] bit for bit, and failures reported by rank.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use super::tests::{tensor1, values, B};
+use super::*;
+
+/// A port nobody listens on right now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free local port")
+        .port()
+}
+
+/// The launcher's variables of world rank `rank` of `world_size`.
+fn env(rank: usize, world_size: usize, port: u16) -> RendezvousEnv {
+    RendezvousEnv {
+        rank,
+        world_size,
+        local_rank: rank,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+    }
+}
+
+/// Connects a `pp × dp` world over TCP, one thread per rank, and runs `f` on every rank;
+/// returns each rank's result in world-rank order.
+fn over_tcp<T: Send>(
+    pp: usize,
+    dp: usize,
+    timeout: Duration,
+    f: impl Fn(&TcpComm<B>) -> Result<T, CommError> + Sync,
+) -> Vec<Result<T, CommError>> {
+    let grid = RankGrid::new(pp, dp).expect("valid grid");
+    let port = free_port();
+    let config = CommConfig::with_timeout(timeout);
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = (0..grid.world_size())
+            .map(|rank| {
+                scope.spawn(move || {
+                    let e = env(rank, grid.world_size(), port);
+                    let comm = TcpComm::<B>::connect(&e, grid, Default::default(), config)?;
+                    f(&comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+/// Every operation once, with values that differ per rank: what each rank ends up with.
+fn every_operation<C: Communicator<B>>(comm: &C) -> Result<Vec<f32>, CommError> {
+    let device = *comm.device();
+    let rank = comm.rank();
+    // Values whose sums round differently in different orders.
+    let mine = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((rank * 7 + i) as f32).sin() * 10f32.powi((i % 5) as i32 - 2))
+            .collect()
+    };
+    let mut out = Vec::new();
+    out.extend(values(comm.all_reduce(
+        Group::DataParallel,
+        tensor1(mine(6), &device),
+        ReduceOp::Sum,
+    )?));
+    out.extend(values(comm.reduce_scatter(
+        Group::Pipeline,
+        tensor1(mine(8), &device),
+        ReduceOp::Mean,
+    )?));
+    out.extend(values(
+        comm.all_gather(Group::DataParallel, tensor1(mine(3), &device))?,
+    ));
+    out.extend(values(comm.broadcast(
+        Group::Pipeline,
+        1,
+        tensor1(mine(4), &device),
+    )?));
+    // To the other pipeline rank, two tags received in the other order, and one to itself.
+    let grid = comm.grid();
+    let peer = grid.rank_of(1 - grid.pp_index(rank), grid.dp_index(rank));
+    comm.send(peer, 1, tensor1(mine(2), &device).reshape([1, 2]))?;
+    comm.send(peer, 2, tensor1(mine(3), &device))?;
+    comm.send(rank, 3, tensor1(mine(1), &device))?;
+    out.extend(values(comm.recv::<1>(peer, 2, [3])?));
+    out.extend(values(comm.recv::<2>(peer, 1, [1, 2])?));
+    out.extend(values(comm.recv::<1>(rank, 3, [1])?));
+    comm.barrier(Group::Pipeline)?;
+    comm.barrier(Group::DataParallel)?;
+    Ok(out)
+}
+
+#[test]
+fn a_tcp_world_gives_what_the_in_process_world_gives_bit_for_bit() {
+    let tcp: Vec<Vec<f32>> = over_tcp(2, 2, Duration::from_secs(20), every_operation)
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    let grid = RankGrid::new(2, 2).expect("valid grid");
+    let local = run_ranks(
+        LocalComm::<B>::create(grid, CommConfig::with_timeout(Duration::from_secs(20))),
+        every_operation,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (rank, (t, l)) in tcp.iter().zip(&local).enumerate() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(t), bits(l), "rank {rank} differs");
+    }
+    // Spot check against values computed here: rank 0 received rank 1's tag-1 pair.
+    let rank1: Vec<f32> = (0..2i32)
+        .map(|i| ((7 + i) as f32).sin() * 10f32.powi(i - 2))
+        .collect();
+    let at = 6 + 4 + 6 + 4 + 3;
+    assert_eq!(&tcp[0][at..at + 2], rank1.as_slice());
+}
+
+#[test]
+fn a_rank_whose_process_goes_away_is_reported_at_once_not_at_the_timeout() {
+    let start = Instant::now();
+    let results = over_tcp(3, 1, Duration::from_secs(60), |comm| {
+        let device = *comm.device();
+        match comm.rank() {
+            // Leaves without sending what rank 1 waits for (its connections close).
+            2 => Ok(()),
+            1 => comm.recv::<1>(2, 5, [4]).map(|_| ()),
+            _ => comm
+                .all_reduce(Group::Pipeline, tensor1(vec![1.0], &device), ReduceOp::Sum)
+                .map(|_| ()),
+        }
+    });
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    assert!(results[2].is_ok());
+    assert!(
+        matches!(
+            &results[1],
+            Err(CommError::PeerExited {
+                rank: 1,
+                peer: 2,
+                ..
+            })
+        ),
+        "{:?}",
+        results[1]
+    );
+    // Rank 0 is stopped by rank 1's failure (or sees rank 2 gone itself).
+    let err = results[0].as_ref().expect_err("rank 0 cannot complete");
+    assert!(err.to_string().contains("rank 2"), "{err}");
+}
+
+#[test]
+fn a_failing_rank_is_named_by_the_others() {
+    let results = over_tcp(2, 2, Duration::from_secs(60), |comm| {
+        let device = *comm.device();
+        if comm.rank() == 3 {
+            comm.abort("out of memory in stage 3");
+            return Ok(());
+        }
+        comm.all_reduce(
+            Group::DataParallel,
+            tensor1(vec![1.0], &device),
+            ReduceOp::Sum,
+        )?;
+        comm.barrier(Group::Pipeline)
+    });
+    for (rank, result) in results.iter().enumerate().take(3) {
+        let named = matches!(
+            result,
+            Err(CommError::PeerFailed { failed_rank: 3, cause, .. })
+                if cause == "out of memory in stage 3"
+        );
+        assert!(named, "rank {rank}: {result:?}");
+    }
+}
+
+#[test]
+fn start_up_errors_name_the_problem() {
+    let grid = RankGrid::new(2, 2).expect("valid grid");
+    let config = CommConfig::with_timeout(Duration::from_millis(600));
+    // The launcher started 3 processes for a world of 4.
+    let err = TcpComm::<B>::connect(&env(0, 3, free_port()), grid, Default::default(), config)
+        .expect_err("world size differs");
+    assert!(err.to_string().contains("started 3 processes"), "{err}");
+    // Rank 0 of 2 alone: rank 1 never connects.
+    let grid = RankGrid::new(2, 1).expect("valid grid");
+    let start = Instant::now();
+    let err = TcpComm::<B>::connect(&env(0, 2, free_port()), grid, Default::default(), config)
+        .expect_err("rank 1 never comes");
+    assert!(
+        matches!(&err, CommError::Rendezvous { rank: 0, reason } if reason.contains("ranks [1]")),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10));
+}

@@ -1,0 +1,145 @@
+//! `bfpp launch --nproc 4 -- train …`: four processes give the in-process run's `--json`
+//! report bit for bit, and a failing rank is named by the others; with the processes
+//! connected over TCP (`--via tcp`, every build with `flex`) and over MPI (`--via mpirun`,
+//! builds with the `mpi` feature).
+//!
+//! The MPI tests need `mpirun` on PATH (Debian/Ubuntu: `apt-get install openmpi-bin
+//! libopenmpi-dev`); without it `bfpp launch` fails with that hint and so do they.
+#![cfg(feature = "flex")]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+mod common;
+use common::TINY;
+
+/// With the TINY model: P=2 V=2 D=2 ZeRO-3 breadth-first, three steps.
+const RUN: &[&str] = &[
+    "--pp",
+    "2",
+    "--loops",
+    "2",
+    "--dp",
+    "2",
+    "--zero",
+    "3",
+    "--steps",
+    "3",
+    "--comm-timeout",
+    "10",
+    "--json",
+];
+
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bfpp-launch-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+    dir
+}
+
+/// `bfpp [launch --via VIA --nproc N --] train RUN --out-dir DIR` with `env`.
+fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Output, PathBuf) {
+    let dir = out_dir(name);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+    if let Some((via, n)) = launch {
+        cmd.args(["launch", "--via", via, "--nproc", &n.to_string(), "--"]);
+    }
+    cmd.arg("train")
+        .args(TINY)
+        .args(RUN)
+        .arg("--out-dir")
+        .arg(&dir)
+        .env_remove("BFPP_FAULT_INJECT");
+    if launch.is_none() {
+        cmd.args(["--comm", "local"]);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    (cmd.output().expect("the bfpp binary runs"), dir)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Four processes started `via` report what the in-process run reports.
+fn four_processes_report_what_the_in_process_run_reports(via: &str) {
+    let (launched, launched_dir) = bfpp(Some((via, 4)), via, &[]);
+    assert!(
+        launched.status.success(),
+        "bfpp launch failed:\n{}",
+        text(&launched)
+    );
+    let (local, _) = bfpp(None, &format!("{via}-local"), &[]);
+    assert!(
+        local.status.success(),
+        "bfpp train failed:\n{}",
+        text(&local)
+    );
+    let doc = |o: &Output| -> Value {
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{}", text(o)))
+    };
+    let (m, l) = (doc(&launched), doc(&local));
+    // Identical values print identically, so the text comparison is a bitwise one.
+    for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
+        assert_eq!(m[key].to_string(), l[key].to_string(), "{key} differs");
+    }
+    assert_eq!(m["losses"].as_array().map(Vec::len), Some(3));
+    // Rank 0 wrote every rank's timeline.
+    let trace = std::fs::read_to_string(launched_dir.join("trace.json")).expect("trace.json");
+    for rank in 0..4 {
+        assert!(
+            trace.contains(&format!("rank {rank}")),
+            "rank {rank} missing from the trace"
+        );
+    }
+}
+
+/// Rank 1 of four processes started `via` fails; the others stop and name it.
+fn a_failing_rank_stops_the_launch_and_is_named(via: &str) {
+    let start = Instant::now();
+    let name = format!("{via}-fault");
+    let (out, _) = bfpp(
+        Some((via, 4)),
+        &name,
+        &[("BFPP_FAULT_INJECT", "rank=1,step=2")],
+    );
+    let took = start.elapsed();
+    let log = text(&out);
+    assert!(!out.status.success(), "the launch succeeded:\n{log}");
+    assert!(
+        log.contains("because rank 1 failed: injected fault on rank 1 at step 2"),
+        "no rank named rank 1:\n{log}"
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}:\n{log}");
+}
+
+#[test]
+fn four_tcp_processes_report_what_the_in_process_run_reports() {
+    four_processes_report_what_the_in_process_run_reports("tcp");
+}
+
+#[test]
+fn a_failing_tcp_rank_stops_the_launch_and_is_named() {
+    a_failing_rank_stops_the_launch_and_is_named("tcp");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn four_mpi_processes_report_what_the_in_process_run_reports() {
+    four_processes_report_what_the_in_process_run_reports("mpirun");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_failing_mpi_rank_stops_the_launch_and_is_named() {
+    a_failing_rank_stops_the_launch_and_is_named("mpirun");
+}
