@@ -9,7 +9,11 @@
 //!
 //! Every pipeline and data-parallel rank is a thread of this process and all of them share the
 //! one device (`--gpus N` spreads them over N GPUs; `--comm nccl` runs the group
-//! collectives on NCCL instead of host memory), so the run shows the schedule, the sharding
+//! collectives on NCCL instead of host memory). Started as one process per rank with
+//! torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`),
+//! each process runs its own rank on GPU `LOCAL_RANK % gpus`, the processes connected over
+//! TCP (`TcpComm`, with `NcclComm` layered on it for `--comm nccl`), and world rank 0
+//! reports. On one GPU this is the run shows the schedule, the sharding
 //! and the engine's overheads on real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU
 //! against `--peak-tflops` (the H200's dense bf16 peak by default), the bubble of the measured
 //! step, and the simulator's step time, bubble and MFU for the same layout with one GPU of
@@ -17,16 +21,21 @@
 //! measured Chrome trace to `--out`.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
-use burn_bfpp::comm::{CommConfig, CommError, Communicator, LocalComm, RankGrid, ThreadRank};
+use burn_bfpp::comm::{
+    CommConfig, CommError, Communicator, LocalComm, ProcessRank, RankGrid, RendezvousEnv, TcpComm,
+    ThreadRank,
+};
 use burn_bfpp::data::{BatchConfig, BatchLayout, Batcher, MarkovConfig, MarkovCorpus};
-use burn_bfpp::engine::{train_local_with_comms, Checkpointing, EngineConfig, StepProfile};
-use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, ModelSplit};
+use burn_bfpp::engine::{
+    train_local_with_comms, train_processes, Checkpointing, EngineConfig, EngineError, StepProfile,
+    StepReport, TrainOutcome,
+};
+use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, MicroBatch, ModelSplit};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
 use burn_bfpp::sim::{simulate, GptShape, HardwareConfig, ModelConfig, SimConfig};
@@ -160,41 +169,144 @@ fn main() -> Result<(), Error> {
     if args.comm == CommChoice::Nccl && args.backend != BackendChoice::Cuda {
         return Err("--comm nccl needs --backend cuda".into());
     }
-    match (args.backend, args.comm) {
-        (BackendChoice::Flex, _) => run::<burn::backend::Autodiff<burn::backend::Flex>, _>(
-            &args,
-            |_| Default::default(),
-            LocalComm::create_with_devices,
-        ),
+    // One process per rank when a launcher set torchrun's variables, threads otherwise.
+    let process = RendezvousEnv::from_env()?.filter(|env| env.world_size > 1);
+    match (args.backend, args.comm, process) {
+        (BackendChoice::Flex, _, None) => {
+            threads::<burn::backend::Autodiff<burn::backend::Flex>, _>(
+                &args,
+                |_| Default::default(),
+                LocalComm::create_with_devices,
+            )
+        }
+        (BackendChoice::Flex, _, Some(env)) => processes::<
+            burn::backend::Autodiff<burn::backend::Flex>,
+            _,
+        >(&args, &env, |_| Default::default(), Ok),
         #[cfg(feature = "wgpu")]
-        (BackendChoice::Wgpu, _) => run::<burn::backend::Autodiff<burn::backend::Wgpu>, _>(
-            &args,
-            |_| burn::backend::wgpu::WgpuDevice::default(),
-            LocalComm::create_with_devices,
-        ),
+        (BackendChoice::Wgpu, _, None) => {
+            threads::<burn::backend::Autodiff<burn::backend::Wgpu>, _>(
+                &args,
+                |_| burn::backend::wgpu::WgpuDevice::default(),
+                LocalComm::create_with_devices,
+            )
+        }
         #[cfg(feature = "cuda")]
-        (BackendChoice::Cuda, CommChoice::Local) => {
-            run::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
+        (BackendChoice::Cuda, CommChoice::Local, None) => {
+            threads::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
                 &args,
                 burn::backend::cuda::CudaDevice::new,
                 LocalComm::create_with_devices,
             )
         }
         #[cfg(feature = "cuda")]
-        (BackendChoice::Cuda, CommChoice::Nccl) => {
-            run::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
+        (BackendChoice::Cuda, CommChoice::Nccl, None) => {
+            threads::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
                 &args,
                 burn::backend::cuda::CudaDevice::new,
                 burn_bfpp::comm::NcclComm::create,
             )
         }
+        #[cfg(feature = "cuda")]
+        (BackendChoice::Cuda, CommChoice::Local, Some(env)) => {
+            processes::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
+                &args,
+                &env,
+                burn::backend::cuda::CudaDevice::new,
+                Ok,
+            )
+        }
+        #[cfg(feature = "cuda")]
+        (BackendChoice::Cuda, CommChoice::Nccl, Some(env)) => {
+            processes::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
+                &args,
+                &env,
+                burn::backend::cuda::CudaDevice::new,
+                burn_bfpp::comm::NcclComm::over_host,
+            )
+        }
         #[allow(unreachable_patterns)]
-        (other, _) => Err(format!(
+        (BackendChoice::Wgpu, _, Some(_)) => {
+            Err("one process per rank runs on --backend cuda or flex, not wgpu".into())
+        }
+        #[allow(unreachable_patterns)]
+        (other, _, _) => Err(format!(
             "backend {other:?} is not built into this binary: rebuild with `--features {}`",
             format!("{other:?}").to_lowercase()
         )
         .into()),
     }
+}
+
+/// Ranks as threads of this process: world rank `r` on `device_of(r % args.gpus)`, over the
+/// communicators `make_comms` creates; the model and the data start on `device_of(0)`.
+fn threads<B, C>(
+    args: &Args,
+    device_of: impl Fn(usize) -> B::Device,
+    make_comms: impl FnOnce(RankGrid, Vec<B::Device>, CommConfig) -> Result<Vec<C>, CommError>,
+) -> Result<(), Error>
+where
+    B: AutodiffBackend + cubecl_kernels::FusedOps,
+    C: ThreadRank + Communicator<B::InnerBackend>,
+{
+    let world = args.pp * args.dp;
+    let devices: Vec<B::Device> = (0..world).map(|r| device_of(r % args.gpus)).collect();
+    let ranks = format!("{world} ranks as threads");
+    run::<B>(
+        args,
+        device_of(0),
+        &ranks,
+        |model, cfg, activation, batch, on_step| {
+            let comms = make_comms(
+                RankGrid::new(cfg.pp, cfg.dp)?,
+                devices,
+                CommConfig::with_timeout(cfg.comm_timeout),
+            )?;
+            train_local_with_comms(
+                model,
+                cfg,
+                comms,
+                args.steps,
+                activation,
+                batch,
+                on_step,
+                Checkpointing::default(),
+            )
+            .map(Some)
+        },
+    )
+}
+
+/// This process is world rank `env.rank`, on `device_of(env.local_rank % args.gpus)`,
+/// connected to the other processes over TCP, with `layer` putting its communicator on top.
+fn processes<B, C>(
+    args: &Args,
+    env: &RendezvousEnv,
+    device_of: impl Fn(usize) -> B::Device,
+    layer: impl FnOnce(TcpComm<B::InnerBackend>) -> Result<C, CommError>,
+) -> Result<(), Error>
+where
+    B: AutodiffBackend + cubecl_kernels::FusedOps,
+    C: ProcessRank<B::InnerBackend>,
+{
+    let device = device_of(env.local_rank % args.gpus);
+    let ranks = format!(
+        "{} ranks as processes (this is rank {})",
+        env.world_size, env.rank
+    );
+    run::<B>(
+        args,
+        device.clone(),
+        &ranks,
+        |model, cfg, activation, batch, on_step| {
+            let grid = RankGrid::new(cfg.pp, cfg.dp)?;
+            let config = CommConfig::with_timeout(cfg.comm_timeout);
+            let comm = layer(TcpComm::connect(env, grid, device, config)?)?;
+            train_processes::<B, _, _, _, _>(
+                &comm, model, cfg, args.steps, activation, batch, on_step,
+            )
+        },
+    )
 }
 
 /// Model FLOPs of one step by the simulator's formula, so measured and predicted MFU count the
@@ -209,18 +321,23 @@ fn shape(args: &Args) -> GptShape {
     }
 }
 
-/// Trains with world rank `r` on `device_of(r % args.gpus)` over the communicators
-/// `make_comms` creates; the model and the data start on `device_of(0)`.
-fn run<B, C>(
+/// Builds the model and the data on `device`, predicts the layout with the simulator, trains
+/// with `train` (whose ranks are described by `ranks`) and reports measured beside simulated.
+fn run<B>(
     args: &Args,
-    device_of: impl Fn(usize) -> B::Device,
-    make_comms: impl FnOnce(RankGrid, Vec<B::Device>, CommConfig) -> Result<Vec<C>, CommError>,
+    device: B::Device,
+    ranks: &str,
+    train: impl FnOnce(
+        &Gpt<B>,
+        &EngineConfig,
+        [usize; 3],
+        &(dyn Fn(usize, usize, usize) -> MicroBatch<B> + Sync),
+        &(dyn Fn(&StepReport) + Sync),
+    ) -> Result<Option<TrainOutcome<Gpt<B>>>, EngineError>,
 ) -> Result<(), Error>
 where
     B: AutodiffBackend + cubecl_kernels::FusedOps,
-    C: ThreadRank + Communicator<B::InnerBackend>,
 {
-    let device = device_of(0);
     let world = args.pp * args.dp;
     // Devices the ranks actually run on (a world smaller than --gpus leaves some idle).
     let gpus_used = args.gpus.min(world);
@@ -302,8 +419,8 @@ where
         args.backend, args.layers, args.hidden, args.heads, args.seq_len, args.vocab
     );
     println!(
-        "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}, {}; {} ranks as \
-         threads on {} device(s), {:?} communicator",
+        "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}, {}; {ranks} on {} \
+         device(s), {:?} communicator",
         args.pp,
         args.loops,
         args.dp,
@@ -311,41 +428,31 @@ where
         args.micro_batch_size,
         args.zero,
         args.precision,
-        world,
         gpus_used,
         args.comm
     );
-    let ends = Mutex::new(Vec::new());
     let activation = [args.micro_batch_size, gpt.seq_len, gpt.hidden];
-    let devices: Vec<B::Device> = (0..world).map(|r| device_of(r % args.gpus)).collect();
-    let comms = make_comms(
-        RankGrid::new(cfg.pp, cfg.dp)?,
-        devices,
-        CommConfig::with_timeout(cfg.comm_timeout),
-    )?;
-    let outcome = train_local_with_comms(
-        &model,
-        &cfg,
-        comms,
-        args.steps,
-        activation,
-        batch,
-        |r| {
-            println!(
-                "step {:>3}  loss {:.4}  at {:.2} s",
-                r.step, r.loss, r.elapsed
-            );
-            ends.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(r.elapsed);
-        },
-        Checkpointing::default(),
-    )?;
+    let on_step = |r: &StepReport| {
+        println!(
+            "step {:>3}  loss {:.4}  at {:.2} s",
+            r.step, r.loss, r.elapsed
+        );
+    };
+    let Some(outcome) = train(&model, &cfg, activation, &batch, &on_step)? else {
+        // Another process reports.
+        return Ok(());
+    };
     // Reading the parameters waits for every queued kernel, so the last step's time is real.
     let norm = param_l2_norm(&outcome.model);
-    let ends = ends.into_inner().unwrap_or_else(|p| p.into_inner());
+    // When each step ended on the common time axis: its last action on any rank.
+    let mut ends = vec![0f64; args.steps];
+    for event in outcome.timelines.iter().flatten() {
+        if let Some(end) = event.step.checked_sub(1).and_then(|i| ends.get_mut(i)) {
+            *end = end.max(event.end);
+        }
+    }
     let timed = args.steps - args.warmup;
-    let step_s = match (ends.get(args.warmup - 1), ends.last()) {
+    let step_s = match (ends.get(args.warmup.wrapping_sub(1)), ends.last()) {
         (Some(start), Some(end)) if args.warmup > 0 => (end - start) / timed as f64,
         (_, Some(end)) => end / timed as f64,
         _ => return Err("no step reported its time".into()),
@@ -402,9 +509,9 @@ where
         "bubble (last step)", bubble, predicted.bubble_fraction
     );
     println!(
-        "measured: {} ranks on {} device(s) (ranks sharing a device take turns); simulated: \
+        "measured: {ranks} on {} device(s) (ranks sharing a device take turns); simulated: \
          one {} per rank. MFU against {:.0} TFLOP/s.",
-        world, gpus_used, args.hardware, args.peak_tflops
+        gpus_used, args.hardware, args.peak_tflops
     );
     println!(
         "wrote {}, {}, {}",

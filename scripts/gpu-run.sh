@@ -13,8 +13,9 @@
 #                                 timelines to target/gpu-run/out/.
 #
 # It then runs the NCCL communicator's GPU test (every collective on NCCL against host
-# values) and the same training with it (`--comm nccl`: data-parallel collectives on the
-# device buffers, here groups of one rank) and, with
+# values), the same training with it (`--comm nccl`: data-parallel collectives on the
+# device buffers, here groups of one rank), the same training again with one process per
+# rank (TCP between the processes, NcclComm layered on it) and, with
 # more than one GPU, with the ranks spread over all GPUs; both must end at the one-GPU run's
 # final loss.
 #
@@ -90,6 +91,27 @@ timeout 120 "$OUT/nccl_comm" --include-ignored --test-threads=1
 timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-nccl" ${GPU_RUN_ARGS:-} \
     | tee "$OUT/nccl.log"
 compare_losses "LocalComm" "$OUT/one-gpu.log" "NcclComm" "$OUT/nccl.log"
+
+step "process ranks: the same run as 4 processes (torchrun's variables, TCP between them, NcclComm over it)"
+# What `bfpp launch --via tcp` and torchrun do: one process per rank, rank r on GPU r % gpus
+# (here all on GPU 0, so pipeline transfers go through host memory over TCP and the
+# data-parallel groups of one rank get one-member NCCL communicators from ncclCommInitRank).
+port=$((20000 + RANDOM % 20000))
+pids=()
+for rank in 0 1 2 3; do
+    # shellcheck disable=SC2086
+    RANK=$rank WORLD_SIZE=4 LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-processes" \
+        ${GPU_RUN_ARGS:-} >"$OUT/process-$rank.log" 2>&1 &
+    pids+=($!)
+done
+failed=0
+for rank in 0 1 2 3; do
+    wait "${pids[$rank]}" || { failed=1; echo "rank $rank failed:"; tail -n 5 "$OUT/process-$rank.log"; }
+done
+cat "$OUT/process-0.log"
+((failed == 0)) || die "the process-rank run failed (logs: $OUT/process-*.log)"
+compare_losses "threads" "$OUT/one-gpu.log" "processes" "$OUT/process-0.log"
 
 if ((gpus > 1)); then
     step "multi-GPU check: the same run with the ranks spread over $gpus GPUs"

@@ -128,3 +128,92 @@ fn refuses_bad_settings_with_the_fix() {
         assert!(stderr.contains("--features cuda"), "{stderr}");
     }
 }
+
+/// The layout of the process test: P=2, V=2, D=2 on a tiny model.
+const FOUR_RANKS: &[&str] = &[
+    "--backend",
+    "flex",
+    "--pp",
+    "2",
+    "--loops",
+    "2",
+    "--dp",
+    "2",
+    "--microbatches",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--steps",
+    "3",
+    "--warmup",
+    "1",
+];
+
+/// The `final loss …, parameter L2 norm …` line of a run's output.
+fn final_line(stdout: &str) -> String {
+    stdout
+        .lines()
+        .find(|l| l.starts_with("final loss"))
+        .unwrap_or_else(|| panic!("no final line in:\n{stdout}"))
+        .to_string()
+}
+
+#[test]
+fn one_process_per_rank_trains_what_threads_train() {
+    let out = std::env::temp_dir().join(format!("bfpp-gpu-run-procs-{}", std::process::id()));
+    let out_arg = out.display().to_string();
+    let threads = run(&[FOUR_RANKS, &["--out", &out_arg]].concat());
+    let stdout = String::from_utf8_lossy(&threads.stdout).into_owned();
+    assert!(threads.status.success(), "{stdout}");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    // torchrun's variables, as `bfpp launch --via tcp` or torchrun would set them.
+    let children: Vec<_> = (0..4)
+        .map(|rank| {
+            Command::new(example())
+                .args(FOUR_RANKS)
+                .args(["--out", &out_arg])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("a rank process starts")
+        })
+        .collect();
+    let outputs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("a rank process ends"))
+        .collect();
+    for (rank, o) in outputs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "rank {rank}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let root = String::from_utf8_lossy(&outputs[0].stdout).into_owned();
+    assert!(root.contains("4 ranks as processes"), "{root}");
+    // Host collectives reduce in group-rank order either way: the same training.
+    assert_eq!(final_line(&root), final_line(&stdout));
+    assert!(root.lines().any(|l| l.starts_with("tokens/s")), "{root}");
+    for o in &outputs[1..] {
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(!text.contains("tokens/s"), "only rank 0 reports:\n{text}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

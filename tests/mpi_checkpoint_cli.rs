@@ -4,7 +4,7 @@
 //! move between multi-process and in-process runs in other layouts; a rank that cannot write
 //! stops every rank, is named with its file, and leaves the previous checkpoint intact.
 //!
-//! Needs `mpirun` on PATH (see tests/mpi_cli.rs).
+//! Needs `mpirun` on PATH (see tests/launch_cli.rs).
 #![cfg(all(feature = "flex", feature = "mpi"))]
 
 use std::path::{Path, PathBuf};
@@ -123,7 +123,7 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts() {
     let (mpi_run, local_run) = (path("mpi-run"), path("local-run"));
 
     // The uninterrupted reference: four steps in the multi-process layout, in one process
-    // (multi-process runs are bitwise the in-process run, see tests/mpi_cli.rs).
+    // (multi-process runs are bitwise the in-process run, see tests/launch_cli.rs).
     let full = json_of(&train(
         false,
         &dir.join("full"),

@@ -81,7 +81,7 @@ pub use nccl::{nccl_available, CudaBackend, NcclComm};
 #[cfg(feature = "cuda")]
 pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
-pub use process::{Incoming, ProcessComm, Transport};
+pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
 pub use store::{RendezvousEnv, StoreError, TcpStore};
 pub use tcp::{TcpComm, TcpTransport};
 pub use threads::{run_ranks, ThreadRank, World};

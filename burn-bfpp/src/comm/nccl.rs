@@ -38,7 +38,9 @@ use super::cuda_peer::move_to_device;
 use super::nccl_group::{nccl_unique_id, NcclFailure, NcclMember};
 use super::nccl_host::{setup_group, NcclHost};
 use super::threads::{ThreadRank, World};
-use super::{CommConfig, CommError, CommOp, Communicator, Group, LocalComm, RankGrid, ReduceOp};
+use super::{
+    CommConfig, CommError, CommOp, Communicator, Group, LocalComm, ProcessRank, RankGrid, ReduceOp,
+};
 
 /// Burn's CUDA backend (the CubeCL one, without fusion) with the given element types.
 pub type CudaBackend<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
@@ -258,6 +260,23 @@ where
             })
         })?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
+    }
+}
+
+/// Process ranks train over an `NcclComm` layered on their process communicator: result
+/// gathering goes through the host.
+impl<F, I, BT, H> ProcessRank<CudaBackend<F, I, BT>> for NcclComm<F, I, BT, H>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    H: NcclHost<CudaBackend<F, I, BT>> + ProcessRank<CudaBackend<F, I, BT>>,
+{
+    fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
+        self.host.send_bytes(peer, tag, bytes)
+    }
+    fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
+        self.host.recv_bytes(peer, tag)
     }
 }
 

@@ -143,7 +143,7 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
 
     /// Sends opaque bytes to world rank `peer` on stream `tag` (result gathering); does not
     /// block.
-    pub fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
+    fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
         let action = CommOp::Send { tag };
         self.check(action, &[bytes.len()])?;
         self.check_peer(peer, action)?;
@@ -151,7 +151,7 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
     }
 
     /// Receives the oldest bytes world rank `peer` sent on stream `tag`.
-    pub fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
+    fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
         let action = CommOp::Recv { tag };
         self.check(action, &[])?;
         self.check_peer(peer, action)?;
@@ -424,6 +424,26 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
             self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
         })?;
         Ok(self.build_tensor(out.into_data()))
+    }
+}
+
+/// A rank that is one process of its world ([`ProcessComm`], or an `NcclComm` layered on
+/// one): besides tensors it ships opaque bytes, with which
+/// [`train_processes`](crate::engine::train_processes) gathers every rank's results on world
+/// rank 0.
+pub trait ProcessRank<B: Backend>: Communicator<B> {
+    /// Sends opaque bytes to world rank `peer` on stream `tag`; does not block.
+    fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError>;
+    /// Receives the oldest bytes world rank `peer` sent on stream `tag`.
+    fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError>;
+}
+
+impl<B: Backend, T: Transport> ProcessRank<B> for ProcessComm<B, T> {
+    fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
+        ProcessComm::send_bytes(self, peer, tag, bytes)
+    }
+    fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
+        ProcessComm::recv_bytes(self, peer, tag)
     }
 }
 

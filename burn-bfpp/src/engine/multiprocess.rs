@@ -1,4 +1,5 @@
-//! Training with one rank per process over a [`ProcessComm`] (MPI or TCP): this process runs
+//! Training with one rank per process over a [`ProcessRank`] communicator (MPI, TCP, or NCCL
+//! layered on either): this process runs
 //! its own rank with [`train_rank`], then the results are gathered to world rank 0, which
 //! assembles the same [`TrainOutcome`] as [`super::train_local`].
 
@@ -12,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::rank::{stages_for_rank, train_rank_with, RankPlan};
 use super::snapshot::Checkpointing;
 use super::{EngineConfig, EngineError, StepReport, TimedEvent, TrainOutcome};
-use crate::comm::{CommError, Communicator, Group, ProcessComm, Transport};
+use crate::comm::{CommError, Group, ProcessRank};
 use crate::model::{flatten_params, load_flat, recombine, MicroBatch, PipelineModel};
 use crate::schedule::Action;
 
@@ -54,8 +55,8 @@ fn comm_err(e: CommError) -> EngineError {
 /// configuration (they cut their own stages from it, so no weights are sent at start-up).
 /// Timelines are measured from an instant every rank takes right after a world barrier.
 /// If this rank fails or panics, every other rank is told and fails naming it.
-pub fn train_processes<B, M, T, F, P>(
-    comm: &ProcessComm<B::InnerBackend, T>,
+pub fn train_processes<B, M, C, F, P>(
+    comm: &C,
     model: &M,
     cfg: &EngineConfig,
     steps: usize,
@@ -66,7 +67,7 @@ pub fn train_processes<B, M, T, F, P>(
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
-    T: Transport,
+    C: ProcessRank<B::InnerBackend>,
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {
@@ -92,8 +93,8 @@ where
 /// processes share. Each process writes its own rank's files; world rank 0 commits (writes
 /// the manifest, prunes) only after every rank reported its files durably written.
 #[allow(clippy::too_many_arguments)]
-pub fn train_processes_with<B, M, T, F, P>(
-    comm: &ProcessComm<B::InnerBackend, T>,
+pub fn train_processes_with<B, M, C, F, P>(
+    comm: &C,
     model: &M,
     cfg: &EngineConfig,
     steps: usize,
@@ -105,7 +106,7 @@ pub fn train_processes_with<B, M, T, F, P>(
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
-    T: Transport,
+    C: ProcessRank<B::InnerBackend>,
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {
@@ -144,8 +145,8 @@ where
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run<B, M, T, F, P>(
-    comm: &ProcessComm<B::InnerBackend, T>,
+fn run<B, M, C, F, P>(
+    comm: &C,
     model: &M,
     cfg: &EngineConfig,
     steps: usize,
@@ -157,7 +158,7 @@ fn run<B, M, T, F, P>(
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
-    T: Transport,
+    C: ProcessRank<B::InnerBackend>,
     F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
     P: Fn(&StepReport),
 {

@@ -1,5 +1,5 @@
 //! What the equivalence tests share: the tiny GPT, its deterministic batches, the plain-Burn
-//! reference training and the comparisons (used by `engine_equivalence` and `mpi_ranks`).
+//! reference training and the comparisons (used by `engine_equivalence` and `process_ranks`).
 
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]

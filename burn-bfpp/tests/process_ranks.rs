@@ -1,0 +1,394 @@
+//! Ranks as separate processes, connected over TCP (four processes this test starts itself
+//! with torchrun's variables; every build) and over MPI (`mpirun -np 4`; feature `mpi`): P=2,
+//! V=2, D=2, breadth-first and interleaved, ZeRO 1 and 3, three AdamW steps must give the
+//! losses and final parameters of plain single-device Burn training within 1e-5 and bitwise
+//! those of the in-process run; a failing rank must stop every process with an error naming
+//! it. The rank processes also run the NCCL start-up exchange over their communicator (GPUs
+//! per group, unique id), as `NcclComm::over_host` does.
+//!
+//! The tests start this test binary itself, filtered to the ignored test [`rank_process`],
+//! which reads its case from the environment. The MPI tests need `mpirun` on PATH
+//! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it they fail with
+//! that hint instead of being skipped.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use burn_bfpp::comm::{
+    agree_by_all_gather, setup_group, CommConfig, CommOp, Communicator, Group, ProcessComm,
+    RankGrid, ReduceOp, RendezvousEnv, TcpComm, Transport, NCCL_ID_BYTES,
+};
+use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
+use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
+use common::*;
+
+/// The layouts run by the rank processes, in this order in every process.
+const CASES: [(ScheduleKind, ZeroLevel); 4] = [
+    (ScheduleKind::BreadthFirst, ZeroLevel::Zero1),
+    (ScheduleKind::BreadthFirst, ZeroLevel::Zero3),
+    (ScheduleKind::Interleaved, ZeroLevel::Zero1),
+    (ScheduleKind::Interleaved, ZeroLevel::Zero3),
+];
+
+/// Where a rank process writes its results (rank 0) — set by the parent test.
+const OUT_ENV: &str = "BFPP_TEST_RANKS_OUT";
+/// `rank=R,step=S`: the fault the rank processes inject (the fault test).
+const FAULT_ENV: &str = "BFPP_TEST_RANKS_FAULT";
+
+fn ranks_config(kind: ScheduleKind, zero: ZeroLevel) -> EngineConfig {
+    config(kind, 2, 2, 2, zero)
+}
+
+/// One line per case: the losses and every parameter value, as bits.
+fn encode(losses: &[f64], params: &[Vec<f32>]) -> String {
+    let l: Vec<String> = losses.iter().map(|x| x.to_bits().to_string()).collect();
+    let p: Vec<String> = params
+        .iter()
+        .flatten()
+        .map(|x| x.to_bits().to_string())
+        .collect();
+    format!("{};{}", l.join(","), p.join(","))
+}
+
+/// The inner backend the rank processes communicate on.
+type Inner = <B as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+
+/// One rank of a world of processes; only meaningful when started by the tests below (over
+/// TCP when the launcher's `RANK` is set, over MPI otherwise).
+#[test]
+#[ignore = "a rank process of the process_ranks tests, which start it"]
+fn rank_process() {
+    let out = std::env::var(OUT_ENV)
+        .unwrap_or_else(|_| panic!("{OUT_ENV} is not set: this test is started by the others"));
+    let fault = std::env::var(FAULT_ENV).ok().map(|text| {
+        let nums: Vec<usize> = text
+            .split(',')
+            .map(|n| n.parse().expect("number"))
+            .collect();
+        Fault {
+            rank: nums[0],
+            step: nums[1],
+            kind: burn_bfpp::engine::FaultKind::Error,
+        }
+    });
+    let grid = RankGrid::new(2, 2).expect("grid");
+    let timeout = if fault.is_some() { 10 } else { 60 };
+    let config = CommConfig::with_timeout(Duration::from_secs(timeout));
+    let tcp = RendezvousEnv::from_env().unwrap_or_else(|e| panic!("{e}"));
+    match tcp {
+        Some(env) => {
+            let comm = TcpComm::<Inner>::connect(&env, grid, Default::default(), config)
+                .unwrap_or_else(|e| panic!("{e}"));
+            run_cases(&comm, fault, &out);
+        }
+        None => {
+            #[cfg(feature = "mpi")]
+            {
+                let comm =
+                    burn_bfpp::comm::MpiComm::<Inner>::init(grid, Default::default(), config)
+                        .unwrap_or_else(|e| panic!("{e}"));
+                run_cases(&comm, fault, &out);
+            }
+            #[cfg(not(feature = "mpi"))]
+            panic!("started without RANK in a build without MPI");
+        }
+    }
+}
+
+/// Trains every case on this process's rank; rank 0 writes the results to `out`.
+fn run_cases<T: Transport>(comm: &ProcessComm<Inner, T>, fault: Option<Fault>, out: &str) {
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    let mut lines = Vec::new();
+    for (kind, zero) in CASES {
+        let mut cfg = ranks_config(kind, zero);
+        cfg.fault = fault;
+        let outcome =
+            train_processes::<B, _, _, _, _>(comm, &base, &cfg, STEPS, activation, batch, |_| {})
+                .unwrap_or_else(|e| panic!("{e}"));
+        if let Some(o) = outcome {
+            lines.push(encode(&o.losses, &params(&o.model)));
+        }
+    }
+    nccl_start_up(comm, comm.grid());
+    if !lines.is_empty() {
+        std::fs::write(out, lines.join("\n")).expect("results are writable");
+    }
+}
+
+/// The start-up exchange and call agreement `NcclComm::over_host` runs over the host
+/// communicator of process ranks (the NCCL calls themselves need GPUs): every process checks
+/// what it received and panics otherwise, which fails the launch of the test.
+fn nccl_start_up<C: Communicator<Inner>>(comm: &C, grid: RankGrid) {
+    let rank = comm.rank();
+    let id_of = |r: usize| -> [u8; NCCL_ID_BYTES] {
+        std::array::from_fn(|i| ((i * 5 + r * 17) % 256) as u8)
+    };
+    // Every process "on its own GPU": the data-parallel group gets rank 0's id.
+    let dp = setup_group(comm, Group::DataParallel, rank as i32, || Ok(id_of(rank)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let members = grid.group_members(rank, Group::DataParallel);
+    let ordinals: Vec<i32> = members.iter().map(|&m| m as i32).collect();
+    assert_eq!(dp.ordinals, ordinals, "rank {rank}");
+    assert_eq!(dp.unique_id, Some(id_of(members[0])), "rank {rank}");
+    // Pipeline stages "on one GPU": no communicator, and no id made.
+    let pp = setup_group(comm, Group::Pipeline, 0, || {
+        panic!("rank {rank}: an id was made for a group sharing a GPU")
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (pp.ordinals, pp.unique_id),
+        (vec![0, 0], None),
+        "rank {rank}"
+    );
+    let action = CommOp::AllReduce(Group::DataParallel, ReduceOp::Sum);
+    agree_by_all_gather(comm, Group::DataParallel, action, &[3, 70_000])
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Who starts the rank processes.
+#[derive(Clone, Copy)]
+enum Launcher {
+    /// This test, with torchrun's variables; the ranks connect over TCP.
+    Tcp,
+    /// `mpirun`; the ranks talk over MPI.
+    #[cfg(feature = "mpi")]
+    Mpirun,
+}
+
+/// The arguments that make this test binary run [`rank_process`] only.
+const RANK_PROCESS: [&str; 6] = [
+    "--exact",
+    "rank_process",
+    "--ignored",
+    "--nocapture",
+    "--test-threads",
+    "1",
+];
+
+/// Runs `np` rank processes of this binary with `env`; returns whether all succeeded and
+/// their output.
+fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String) {
+    let exe = std::env::current_exe().expect("test binary path");
+    let text = |o: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    match launcher {
+        Launcher::Tcp => {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free local port")
+                .port();
+            let children: Vec<_> = (0..np)
+                .map(|rank| {
+                    let mut cmd = Command::new(&exe);
+                    cmd.args(RANK_PROCESS)
+                        .envs(env.iter().copied())
+                        .env("RANK", rank.to_string())
+                        .env("WORLD_SIZE", np.to_string())
+                        .env("MASTER_ADDR", "127.0.0.1")
+                        .env("MASTER_PORT", port.to_string())
+                        .stdout(std::process::Stdio::piped())
+                        .stderr(std::process::Stdio::piped());
+                    cmd.spawn().expect("a rank process starts")
+                })
+                .collect();
+            let outputs: Vec<Output> = children
+                .into_iter()
+                .map(|c| c.wait_with_output().expect("a rank process ends"))
+                .collect();
+            (
+                outputs.iter().all(|o| o.status.success()),
+                outputs.iter().map(text).collect(),
+            )
+        }
+        #[cfg(feature = "mpi")]
+        Launcher::Mpirun => {
+            let mut cmd = Command::new("mpirun");
+            cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
+                .arg(np.to_string());
+            for (k, v) in env {
+                cmd.env(k, v).arg("-x").arg(k);
+            }
+            let output = cmd
+                .arg(&exe)
+                .args(RANK_PROCESS)
+                .output()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "cannot run mpirun ({e}); install OpenMPI: apt-get install openmpi-bin \
+                     libopenmpi-dev"
+                    )
+                });
+            (output.status.success(), text(&output))
+        }
+    }
+}
+
+fn out_file(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("bfpp-ranks-{}-{name}.txt", std::process::id()))
+}
+
+fn read_results(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("rank 0 wrote no results to {}: {e}", path.display()))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn decode(line: &str) -> (Vec<f64>, Vec<f32>) {
+    let (l, p) = line.split_once(';').expect("losses;params");
+    let losses = l
+        .split(',')
+        .map(|x| f64::from_bits(x.parse().expect("bits")))
+        .collect();
+    let params = p
+        .split(',')
+        .map(|x| f32::from_bits(x.parse().expect("bits")))
+        .collect();
+    (losses, params)
+}
+
+/// Four rank processes started by `launcher` match plain Burn and the in-process run.
+fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Launcher, name: &str) {
+    let out = out_file(&format!("{name}-equivalence"));
+    let start = Instant::now();
+    let (ok, log) = launch(
+        launcher,
+        4,
+        &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))],
+    );
+    assert!(ok, "the {name} launch failed:\n{log}");
+    let lines = read_results(&out);
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(lines.len(), CASES.len(), "one result per case:\n{log}");
+    eprintln!("4 layouts over {name} in {:.1?}", start.elapsed());
+
+    let (want_losses, want_params) = reference(2);
+    let base = model();
+    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    for ((kind, zero), line) in CASES.into_iter().zip(&lines) {
+        let (losses, flat) = decode(line);
+        // The plain-Burn reference, parameter by parameter.
+        let mut rest = flat.as_slice();
+        let got: Vec<Vec<f32>> = want_params
+            .iter()
+            .map(|w| {
+                let (head, tail) = rest.split_at(w.len());
+                rest = tail;
+                head.to_vec()
+            })
+            .collect();
+        assert!(rest.is_empty(), "{kind} {zero:?}: extra parameter values");
+        let loss_err = max_loss_err(&losses, &want_losses);
+        let param_err = max_param_err(&got, &want_params);
+        assert!(
+            loss_err <= 1e-5 && param_err <= 1e-5,
+            "{kind} {zero:?} over {name}: loss err {loss_err:.2e}, param err {param_err:.2e}"
+        );
+        // The same layout with ranks as threads: bitwise the same.
+        let local = train_local(
+            &base,
+            &ranks_config(kind, zero),
+            STEPS,
+            activation,
+            batch,
+            |_| {},
+        )
+        .expect("in-process run");
+        let local_flat: Vec<f32> = params(&local.model).into_iter().flatten().collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            losses.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            local.losses.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{kind} {zero:?}: {name} and in-process losses differ"
+        );
+        assert!(
+            bits(&flat) == bits(&local_flat),
+            "{kind} {zero:?}: {name} and in-process parameters differ"
+        );
+    }
+}
+
+/// Rank 1 of four processes started by `launcher` fails; the others stop and name it.
+fn a_failing_process_stops_the_others_with_an_error_naming_it(launcher: Launcher, name: &str) {
+    let out = out_file(&format!("{name}-fault"));
+    let start = Instant::now();
+    let (ok, log) = launch(
+        launcher,
+        4,
+        &[
+            (OUT_ENV, out.to_str().expect("utf-8 temp path")),
+            (FAULT_ENV, "1,2"),
+        ],
+    );
+    let took = start.elapsed();
+    assert!(!ok, "the {name} launch succeeded despite the fault:\n{log}");
+    assert!(
+        log.contains("injected fault on rank 1 at step 2"),
+        "the failing rank's error is missing:\n{log}"
+    );
+    // Another rank stopped because of rank 1, well before its 10 s timeout.
+    assert!(
+        log.contains("because rank 1 failed"),
+        "no other rank named rank 1:\n{log}"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}:\n{log}");
+    assert!(!out.exists(), "rank 0 reported results of a failed run");
+}
+
+/// Three processes started by `launcher` for a world of four are refused with the fix.
+fn a_world_of_the_wrong_size_is_refused_with_the_fix(launcher: Launcher, name: &str) {
+    let out = out_file(&format!("{name}-size"));
+    let (ok, log) = launch(
+        launcher,
+        3,
+        &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))],
+    );
+    assert!(!ok, "3 processes for pp 2 × dp 2 ran over {name}:\n{log}");
+    assert!(
+        log.contains("started 3 processes but pp 2 × dp 2 needs 4"),
+        "no clear error:\n{log}"
+    );
+}
+
+#[test]
+fn four_tcp_processes_match_single_device_burn_and_the_in_process_run() {
+    four_processes_match_single_device_burn_and_the_in_process_run(Launcher::Tcp, "tcp");
+}
+
+#[test]
+fn a_failing_tcp_process_stops_the_others_with_an_error_naming_it() {
+    a_failing_process_stops_the_others_with_an_error_naming_it(Launcher::Tcp, "tcp");
+}
+
+#[test]
+fn a_tcp_world_of_the_wrong_size_is_refused_with_the_fix() {
+    a_world_of_the_wrong_size_is_refused_with_the_fix(Launcher::Tcp, "tcp");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
+    four_processes_match_single_device_burn_and_the_in_process_run(Launcher::Mpirun, "mpi");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_failing_mpi_process_stops_the_others_with_an_error_naming_it() {
+    a_failing_process_stops_the_others_with_an_error_naming_it(Launcher::Mpirun, "mpi");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn an_mpi_world_of_the_wrong_size_is_refused_with_the_fix() {
+    a_world_of_the_wrong_size_is_refused_with_the_fix(Launcher::Mpirun, "mpi");
+}
