@@ -88,8 +88,10 @@ pub enum CliError {
 
 /// Print `error: ...` on standard error (ignoring a closed standard error).
 pub fn report_error(err: &CliError) {
-    let text = err.to_string();
-    let _ = writeln!(io::stderr().lock(), "error: {}", text.trim_end());
+    // One write: standard error is unbuffered, and ranks that are processes share it, so a
+    // line written in pieces would interleave with the other ranks' lines.
+    let line = format!("error: {}\n", err.to_string().trim_end());
+    let _ = io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// Write `text` to `path`, or to standard output when there is none. A reader that closes

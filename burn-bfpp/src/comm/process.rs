@@ -41,6 +41,9 @@ const YIELDING_POLLS: u32 = 32;
 /// leave before giving up on them.
 const FLUSH_LIMIT: Duration = Duration::from_secs(5);
 
+mod ops;
+pub use ops::ProcessRank;
+
 /// What arrived from the transport.
 pub enum Incoming {
     /// One message, as the peer posted it.
@@ -84,6 +87,8 @@ struct State {
     seq: [u64; 2],
     /// The world's first failure this rank knows of, as `(rank, cause)`.
     failure: Option<(usize, String)>,
+    /// Whether this rank passed a failure it learned from another rank on to the others.
+    forwarded: bool,
 }
 
 /// A rank of a world whose ranks are processes, exchanging messages over the transport `T`;
@@ -181,6 +186,7 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
     /// Fails with [`CommError::PeerFailed`] once any rank is known to have failed.
     fn check(&self, action: CommOp, shape: &[usize]) -> Result<(), CommError> {
         self.progress();
+        self.forward_failure();
         match &self.state.borrow().failure {
             Some((failed_rank, cause)) => Err(CommError::PeerFailed {
                 rank: self.rank,
@@ -190,6 +196,30 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
                 cause: cause.clone(),
             }),
             None => Ok(()),
+        }
+    }
+
+    /// Passes a failure learned from another rank on to every rank but the failed one, once.
+    ///
+    /// This rank is about to stop, and its peers may notice that (its connection ending)
+    /// before the failed rank's own notice reaches them; the copy sent here travels ahead of
+    /// that on the same connection, so they report the root cause, not this rank's exit.
+    fn forward_failure(&self) {
+        let notice = {
+            let mut state = self.state.borrow_mut();
+            let notice = match &state.failure {
+                Some((failed, cause)) if *failed != self.rank && !state.forwarded => {
+                    Some((*failed, wire::encode_abort(*failed, cause)))
+                }
+                _ => None,
+            };
+            state.forwarded |= notice.is_some();
+            notice
+        };
+        if let Some((failed, bytes)) = notice {
+            for peer in (0..self.grid.world_size()).filter(|&p| p != self.rank && p != failed) {
+                self.post(peer, bytes.clone());
+            }
         }
     }
 
@@ -424,195 +454,6 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
             self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
         })?;
         Ok(self.build_tensor(out.into_data()))
-    }
-}
-
-/// A rank that is one process of its world ([`ProcessComm`], or an `NcclComm` layered on
-/// one): besides tensors it ships opaque bytes, with which
-/// [`train_processes`](crate::engine::train_processes) gathers every rank's results on world
-/// rank 0.
-pub trait ProcessRank<B: Backend>: Communicator<B> {
-    /// Sends opaque bytes to world rank `peer` on stream `tag`; does not block.
-    fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError>;
-    /// Receives the oldest bytes world rank `peer` sent on stream `tag`.
-    fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError>;
-}
-
-impl<B: Backend, T: Transport> ProcessRank<B> for ProcessComm<B, T> {
-    fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
-        ProcessComm::send_bytes(self, peer, tag, bytes)
-    }
-    fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
-        ProcessComm::recv_bytes(self, peer, tag)
-    }
-}
-
-impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
-    fn grid(&self) -> RankGrid {
-        self.grid
-    }
-
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn device(&self) -> &B::Device {
-        &self.device
-    }
-
-    fn send<const D: usize>(
-        &self,
-        peer: usize,
-        tag: u64,
-        tensor: Tensor<B, D>,
-    ) -> Result<(), CommError> {
-        let action = CommOp::Send { tag };
-        let shape = tensor.dims().to_vec();
-        self.check(action, &shape)?;
-        self.check_peer(peer, action)?;
-        let buf = self.read_host(tensor, action)?;
-        self.post_data(peer, Stream::P2p(tag), action, &Payload::Tensor(buf))
-    }
-
-    fn recv<const D: usize>(
-        &self,
-        peer: usize,
-        tag: u64,
-        shape: [usize; D],
-    ) -> Result<Tensor<B, D>, CommError> {
-        let action = CommOp::Recv { tag };
-        self.check(action, &shape)?;
-        self.check_peer(peer, action)?;
-        // A message's `op` is the sender's `Send`; p2p streams are matched by tag alone.
-        let payload = self.wait(peer, Stream::P2p(tag), action, &shape)?;
-        let buf = self.expect_tensor(payload, peer, action, &shape)?;
-        Ok(self.build_tensor(buf.into_data()))
-    }
-
-    fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError> {
-        let action = CommOp::AllGather(group);
-        let shape = shard.dims().to_vec();
-        self.check(action, &shape)?;
-        if self.group_size(group) == 1 {
-            self.next_seq(group);
-            return Ok(shard);
-        }
-        let mine = self.read_host(shard, action)?;
-        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
-        let refs: Vec<&HostBuf> = parts.iter().collect();
-        let out = host::concat(&refs).map_err(|(i, reason)| {
-            self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
-        })?;
-        Ok(self.build_tensor(out.into_data()))
-    }
-
-    fn reduce_scatter(
-        &self,
-        group: Group,
-        tensor: Tensor<B, 1>,
-        op: ReduceOp,
-    ) -> Result<Tensor<B, 1>, CommError> {
-        let action = CommOp::ReduceScatter(group, op);
-        let [len] = tensor.dims();
-        self.check(action, &[len])?;
-        let size = self.group_size(group);
-        if len % size != 0 {
-            return Err(self.fail(CommError::InvalidArgument {
-                rank: self.rank,
-                action,
-                reason: format!("length {len} is not divisible by the group size {size}"),
-            }));
-        }
-        if size == 1 {
-            self.next_seq(group);
-            return Ok(tensor);
-        }
-        let chunk = len / size;
-        let start = self.group_rank(group) * chunk;
-        self.reduce(group, action, tensor, op, start..start + chunk, vec![chunk])
-    }
-
-    fn all_reduce<const D: usize>(
-        &self,
-        group: Group,
-        tensor: Tensor<B, D>,
-        op: ReduceOp,
-    ) -> Result<Tensor<B, D>, CommError> {
-        let action = CommOp::AllReduce(group, op);
-        let shape = tensor.dims().to_vec();
-        self.check(action, &shape)?;
-        if self.group_size(group) == 1 {
-            self.next_seq(group);
-            return Ok(tensor);
-        }
-        let len = shape.iter().product();
-        self.reduce(group, action, tensor, op, 0..len, shape)
-    }
-
-    fn broadcast<const D: usize>(
-        &self,
-        group: Group,
-        root: usize,
-        tensor: Tensor<B, D>,
-    ) -> Result<Tensor<B, D>, CommError> {
-        let action = CommOp::Broadcast(group, root);
-        let shape = tensor.dims().to_vec();
-        self.check(action, &shape)?;
-        let members = self.group_members(group);
-        let Some(&root_rank) = members.get(root) else {
-            return Err(self.fail(CommError::InvalidArgument {
-                rank: self.rank,
-                action,
-                reason: format!(
-                    "root {root} is not a member of a group of {}",
-                    members.len()
-                ),
-            }));
-        };
-        let stream = Stream::Collective(group, self.next_seq(group));
-        if root_rank == self.rank {
-            if members.len() > 1 {
-                let mine = Payload::Tensor(self.read_host(tensor.clone(), action)?);
-                for &m in members.iter().filter(|&&m| m != self.rank) {
-                    self.post_data(m, stream, action, &mine)?;
-                }
-            }
-            return Ok(tensor);
-        }
-        let payload = self.wait(root_rank, stream, action, &shape)?;
-        let buf = self.expect_tensor(payload, root_rank, action, &shape)?;
-        Ok(self.build_tensor(buf.into_data()))
-    }
-
-    fn barrier(&self, group: Group) -> Result<(), CommError> {
-        let action = CommOp::Barrier(group);
-        self.check(action, &[])?;
-        let stream = Stream::Collective(group, self.next_seq(group));
-        let others: Vec<usize> = self
-            .group_members(group)
-            .into_iter()
-            .filter(|&r| r != self.rank)
-            .collect();
-        for &m in &others {
-            self.post_data(m, stream, action, &Payload::Empty)?;
-        }
-        for &m in &others {
-            self.wait(m, stream, action, &[])?;
-        }
-        Ok(())
-    }
-
-    fn abort(&self, cause: &str) {
-        {
-            let mut state = self.state.borrow_mut();
-            if state.failure.is_some() {
-                return;
-            }
-            state.failure = Some((self.rank, cause.to_string()));
-        }
-        for peer in (0..self.grid.world_size()).filter(|&p| p != self.rank) {
-            self.post(peer, wire::encode_abort(self.rank, cause));
-        }
     }
 }
 

@@ -200,3 +200,62 @@ fn start_up_errors_name_the_problem() {
     );
     assert!(start.elapsed() < Duration::from_secs(10));
 }
+
+/// The messages a [`Recorder`] was given, as `(peer, bytes)`, shared with the test.
+type Posted = std::rc::Rc<std::cell::RefCell<Vec<(usize, Vec<u8>)>>>;
+
+/// A transport that records what it is given and delivers what the test queued.
+#[derive(Default)]
+struct Recorder {
+    posted: Posted,
+    arriving: std::collections::VecDeque<Incoming>,
+}
+
+impl Transport for Recorder {
+    fn post(&mut self, peer: usize, bytes: Vec<u8>) {
+        self.posted.borrow_mut().push((peer, bytes));
+    }
+    fn poll(&mut self) -> Option<Incoming> {
+        self.arriving.pop_front()
+    }
+    fn sends_in_flight(&mut self) -> bool {
+        false
+    }
+    fn abandon(&mut self) {}
+}
+
+#[test]
+fn a_failure_learned_from_a_peer_is_passed_on_once_before_this_rank_stops() {
+    let posted = std::rc::Rc::default();
+    let transport = Recorder {
+        posted: std::rc::Rc::clone(&posted),
+        arriving: [Incoming::Message {
+            from: 2,
+            bytes: super::wire::encode_abort(2, "disk full"),
+        }]
+        .into(),
+    };
+    let grid = RankGrid::new(4, 1).expect("valid grid");
+    let comm = ProcessComm::<B, _>::new(
+        grid,
+        1,
+        Default::default(),
+        CommConfig::default(),
+        transport,
+    );
+    let device = *comm.device();
+    for _ in 0..2 {
+        let err = comm
+            .send(3, 0, tensor1(vec![1.0], &device))
+            .expect_err("the world has failed");
+        assert!(
+            matches!(&err, CommError::PeerFailed { failed_rank: 2, cause, .. } if cause == "disk full"),
+            "{err}"
+        );
+    }
+    // Ranks 0 and 3 get the notice naming rank 2; rank 2 and this rank do not; only once.
+    let recipients: Vec<usize> = posted.borrow().iter().map(|(peer, _)| *peer).collect();
+    assert_eq!(recipients, vec![0, 3]);
+    let forwarded = posted.borrow()[0].1.clone();
+    assert_eq!(forwarded, super::wire::encode_abort(2, "disk full"));
+}

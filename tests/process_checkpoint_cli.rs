@@ -1,11 +1,11 @@
-//! Checkpoints with ranks as MPI processes (`bfpp launch --nproc 4 -- train --save/--resume`,
-//! features `flex` and `mpi`): every process writes its own rank's files and world rank 0 the
+//! Checkpoints with ranks as processes (`bfpp launch --nproc 4 -- train --save/--resume`),
+//! connected over TCP (every build with `flex`) and over MPI (feature `mpi`): every process writes its own rank's files and world rank 0 the
 //! manifest; a resumed multi-process run continues the uninterrupted run exactly; checkpoints
 //! move between multi-process and in-process runs in other layouts; a rank that cannot write
 //! stops every rank, is named with its file, and leaves the previous checkpoint intact.
 //!
-//! Needs `mpirun` on PATH (see tests/launch_cli.rs).
-#![cfg(all(feature = "flex", feature = "mpi"))]
+//! The MPI tests need `mpirun` on PATH (see tests/launch_cli.rs).
+#![cfg(feature = "flex")]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -17,7 +17,7 @@ mod common;
 use common::TINY;
 
 /// The multi-process layout: P=2 V=2 D=2 ZeRO-3, four processes.
-const MPI_LAYOUT: &[&str] = &[
+const PROCESS_LAYOUT: &[&str] = &[
     "--pp",
     "2",
     "--loops",
@@ -44,17 +44,18 @@ const OTHER_LAYOUT: &[&str] = &[
 ];
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bfpp-mpi-ckpt-{}-{name}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("bfpp-process-ckpt-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir is writable");
     dir
 }
 
-/// `bfpp [launch --nproc 4 --] train --json TINY args`, with its own output folder.
-fn train(mpi: bool, out: &Path, args: &[&str]) -> Output {
+/// `bfpp [launch --via VIA --nproc 4 --] train --json TINY args`, with its own output
+/// folder; in one process when `via` is `None`.
+fn train(via: Option<&str>, out: &Path, args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
-    if mpi {
-        cmd.args(["launch", "--nproc", "4", "--"]);
+    if let Some(via) = via {
+        cmd.args(["launch", "--via", via, "--nproc", "4", "--"]);
     }
     cmd.args(["train", "--json", "--out-dir"])
         .arg(out)
@@ -63,7 +64,7 @@ fn train(mpi: bool, out: &Path, args: &[&str]) -> Output {
         .args(args)
         .env_remove("BFPP_FAULT_INJECT")
         .env_remove("BFPP_CKPT_CRASH_AFTER_FILES");
-    if !mpi {
+    if via.is_none() {
         cmd.args(["--comm", "local"]);
     }
     cmd.output().expect("the bfpp binary runs")
@@ -116,31 +117,32 @@ fn with<'a>(layout: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
     layout.iter().chain(more).copied().collect()
 }
 
-#[test]
-fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts() {
-    let dir = temp_dir("resume");
+/// Processes started `via` save, resume exactly, and exchange checkpoints with in-process
+/// runs in another layout.
+fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts(via: &str) {
+    let dir = temp_dir(&format!("{via}-resume"));
     let path = |name: &str| dir.join(name).to_str().expect("utf-8").to_string();
-    let (mpi_run, local_run) = (path("mpi-run"), path("local-run"));
+    let (process_run, local_run) = (path("process-run"), path("local-run"));
 
     // The uninterrupted reference: four steps in the multi-process layout, in one process
     // (multi-process runs are bitwise the in-process run, see tests/launch_cli.rs).
     let full = json_of(&train(
-        false,
+        None,
         &dir.join("full"),
-        &with(MPI_LAYOUT, &["--steps", "4"]),
+        &with(PROCESS_LAYOUT, &["--steps", "4"]),
     ));
 
     // Four processes save after every step, keeping one: rank 0 prunes step 1 after step 2.
     let saved = train(
-        true,
-        &dir.join("mpi-save"),
+        Some(via),
+        &dir.join("process-save"),
         &with(
-            MPI_LAYOUT,
+            PROCESS_LAYOUT,
             &[
                 "--steps",
                 "2",
                 "--save",
-                &mpi_run,
+                &process_run,
                 "--save-every",
                 "1",
                 "--keep",
@@ -149,38 +151,38 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts() {
         ),
     );
     json_of(&saved);
-    let kept = list_checkpoints(Path::new(&mpi_run)).expect("run directory lists");
+    let kept = list_checkpoints(Path::new(&process_run)).expect("run directory lists");
     assert_eq!(
         kept.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
         vec![2],
         "--keep 1"
     );
-    let names: Vec<_> = std::fs::read_dir(&mpi_run)
+    let names: Vec<_> = std::fs::read_dir(&process_run)
         .expect("run directory")
         .map(|e| e.expect("entry").file_name())
         .collect();
     assert_eq!(names.len(), 1, "nothing but step-00000002: {names:?}");
     // Every rank's file, verified against the manifest's sizes and checksums.
-    let loaded = load(Path::new(&mpi_run)).expect("the checkpoint loads and verifies");
+    let loaded = load(Path::new(&process_run)).expect("the checkpoint loads and verifies");
     assert_eq!(loaded.manifest.files.len(), 4);
     assert_eq!(loaded.ranks.len(), 4);
 
     // Four processes resume it: steps 3 and 4 as in the uninterrupted run.
     let resumed = json_of(&train(
-        true,
-        &dir.join("mpi-resume"),
-        &with(MPI_LAYOUT, &["--steps", "4", "--resume", &mpi_run]),
+        Some(via),
+        &dir.join("process-resume"),
+        &with(PROCESS_LAYOUT, &["--steps", "4", "--resume", &process_run]),
     ));
     assert_continues("multi-process resume", &resumed, &full, 1e-6);
 
     // One process in another layout resumes the multi-process checkpoint.
     let local = json_of(&train(
-        false,
+        None,
         &dir.join("local-resume"),
-        &with(OTHER_LAYOUT, &["--steps", "4", "--resume", &mpi_run]),
+        &with(OTHER_LAYOUT, &["--steps", "4", "--resume", &process_run]),
     ));
     assert_continues(
-        "in-process resume of an MPI checkpoint",
+        "in-process resume of a multi-process checkpoint",
         &local,
         &full,
         1e-5,
@@ -188,32 +190,38 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts() {
 
     // And the reverse: a checkpoint of one process in another layout, resumed by four.
     json_of(&train(
-        false,
+        None,
         &dir.join("local-save"),
         &with(OTHER_LAYOUT, &["--steps", "2", "--save", &local_run]),
     ));
     let back = json_of(&train(
-        true,
-        &dir.join("mpi-resume-local"),
-        &with(MPI_LAYOUT, &["--steps", "4", "--resume", &local_run]),
+        Some(via),
+        &dir.join("process-resume-local"),
+        &with(PROCESS_LAYOUT, &["--steps", "4", "--resume", &local_run]),
     ));
-    assert_continues("MPI resume of an in-process checkpoint", &back, &full, 1e-5);
+    assert_continues(
+        "multi-process resume of an in-process checkpoint",
+        &back,
+        &full,
+        1e-5,
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
-    let dir = temp_dir("fail");
+/// Rank 3 of processes started `via` cannot write: all stop naming it, the previous
+/// checkpoint stays.
+fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays(via: &str) {
+    let dir = temp_dir(&format!("{via}-fail"));
     let run = dir.join("run");
     // A directory where rank 3's step-2 file must go: only that rank's rename fails.
     let blocker = run.join("step-00000002.partial").join("rank-00003.bin");
     std::fs::create_dir_all(blocker.join("x")).expect("blocker");
     let run_s = run.to_str().expect("utf-8");
     let out = train(
-        true,
+        Some(via),
         &dir.join("out"),
         &with(
-            MPI_LAYOUT,
+            PROCESS_LAYOUT,
             &["--steps", "3", "--save", run_s, "--save-every", "1"],
         ),
     );
@@ -224,7 +232,7 @@ fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
             && log.contains("rank-00003.bin"),
         "rank 3 and its file are not named:\n{log}"
     );
-    // The processes that got to print (mpirun may kill the rest once one exits) all stop
+    // The processes that got to print (a launcher may kill the rest once one exits) all stop
     // naming rank 3 and its file, rather than waiting for it.
     let errors: Vec<&str> = log
         .lines()
@@ -241,4 +249,26 @@ fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
     assert_eq!(kept.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![1]);
     load(&run).expect("the step-1 checkpoint is intact");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tcp_process_checkpoints_resume_exactly_and_move_between_layouts() {
+    multi_process_checkpoints_resume_exactly_and_move_between_process_layouts("tcp");
+}
+
+#[test]
+fn a_tcp_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
+    a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays("tcp");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_process_checkpoints_resume_exactly_and_move_between_layouts() {
+    multi_process_checkpoints_resume_exactly_and_move_between_process_layouts("mpirun");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn an_mpi_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
+    a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays("mpirun");
 }
