@@ -83,7 +83,7 @@ pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
 pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
 pub use store::{RendezvousEnv, StoreError, TcpStore};
-pub use tcp::{TcpComm, TcpTransport};
+pub use tcp::{TcpComm, TcpTransport, ADVERTISE_ENV};
 pub use threads::{run_ranks, ThreadRank, World};
 
 /// Which of a rank's two groups a collective runs over.

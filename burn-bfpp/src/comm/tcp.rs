@@ -8,6 +8,9 @@
 //! one, so each pair of ranks shares one connection. Connecting never waits for the peer to
 //! accept (the peer listens before it publishes), so the mesh cannot deadlock.
 //!
+//! A rank publishes the address it reaches the store from (or `BFPP_ADVERTISE_ADDR`); if a
+//! peer published a loopback address that this rank cannot reach, the error says why.
+//!
 //! Each connection has a reader thread, which turns the length-prefixed frames into
 //! [`Incoming`] messages (and the end of the connection into [`Incoming::Lost`], so a wait on
 //! a process that died fails at once), and a writer thread, so that posting never blocks on a
@@ -102,8 +105,14 @@ impl TcpTransport {
     fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, String> {
         let deadline = Instant::now() + timeout;
         let store = TcpStore::connect(env, timeout).map_err(|e| e.to_string())?;
-        // Peers reach this rank at the address it reaches the store from.
-        let ip = store.local_ip().map_err(|e| e.to_string())?;
+        // Peers reach this rank at the address it reaches the store from, unless told.
+        let ip = match std::env::var(ADVERTISE_ENV) {
+            Ok(text) => text
+                .trim()
+                .parse()
+                .map_err(|e| format!("{ADVERTISE_ENV}=`{text}` is not an IP address ({e})"))?,
+            Err(_) => store.local_ip().map_err(|e| e.to_string())?,
+        };
         let any: std::net::IpAddr = if ip.is_ipv4() {
             std::net::Ipv4Addr::UNSPECIFIED.into()
         } else {
@@ -126,8 +135,12 @@ impl TcpTransport {
             let addr: SocketAddr = String::from_utf8_lossy(&bytes)
                 .parse()
                 .map_err(|e| format!("rank {peer} published a malformed address: {e}"))?;
-            let mut stream = connect_until(addr, deadline)
-                .map_err(|e| format!("cannot connect to rank {peer} at {addr}: {e}"))?;
+            let mut stream = connect_until(addr, deadline).map_err(|e| {
+                format!(
+                    "cannot connect to rank {peer} at {addr}: {e}{}",
+                    loopback_hint(addr, ip)
+                )
+            })?;
             stream
                 .write_all(&hello(env.rank))
                 .map_err(|e| format!("greeting rank {peer} at {addr}: {e}"))?;
@@ -214,6 +227,24 @@ impl TcpTransport {
             sockets,
             _store: store,
         })
+    }
+}
+
+/// Overrides the address a rank publishes for its peers (its own IP address as they can reach
+/// it), for machines where the route to `MASTER_ADDR` does not give it.
+pub const ADVERTISE_ENV: &str = "BFPP_ADVERTISE_ADDR";
+
+/// Why a peer that published a loopback address may be out of reach from this rank.
+fn loopback_hint(peer: SocketAddr, own: std::net::IpAddr) -> String {
+    if peer.ip().is_loopback() && !own.is_loopback() {
+        format!(
+            " (that is a loopback address, reachable only on its own machine: MASTER_ADDR \
+             probably resolves to a loopback address there, e.g. through /etc/hosts; set \
+             MASTER_ADDR to the routable address of rank 0's node, or {ADVERTISE_ENV} on each \
+             rank)"
+        )
+    } else {
+        String::new()
     }
 }
 
@@ -346,5 +377,24 @@ impl Drop for TcpTransport {
         for socket in &self.sockets {
             let _ = socket.shutdown(Shutdown::Write);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loopback_address_from_another_machine_is_explained() {
+        let peer: SocketAddr = "127.0.1.1:4000".parse().expect("address");
+        let remote: std::net::IpAddr = "10.0.0.7".parse().expect("address");
+        let hint = loopback_hint(peer, remote);
+        assert!(
+            hint.contains("MASTER_ADDR") && hint.contains(ADVERTISE_ENV),
+            "{hint}"
+        );
+        // On one machine, loopback is fine, and a routable peer needs no hint.
+        assert!(loopback_hint(peer, "127.0.0.1".parse().expect("address")).is_empty());
+        assert!(loopback_hint("10.0.0.8:4000".parse().expect("address"), remote).is_empty());
     }
 }
