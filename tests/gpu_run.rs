@@ -5,6 +5,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+use burn_bfpp::comm::{free_local_port, RendezvousEnv};
+
 /// The example binary `cargo test` builds beside this test's own binary.
 fn example() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
@@ -22,6 +24,32 @@ fn example() -> PathBuf {
     path
 }
 
+/// A tiny run: P=2, V=2 on a 4-block GPT of width 32, three steps.
+const TINY_RUN: &[&str] = &[
+    "--backend",
+    "flex",
+    "--pp",
+    "2",
+    "--loops",
+    "2",
+    "--microbatches",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--steps",
+    "3",
+    "--warmup",
+    "1",
+];
+
 fn run(args: &[&str]) -> Output {
     Command::new(example())
         .args(args)
@@ -33,32 +61,7 @@ fn run(args: &[&str]) -> Output {
 fn trains_on_flex_and_reports_measured_beside_simulated() {
     let out = std::env::temp_dir().join(format!("bfpp-gpu-run-{}", std::process::id()));
     let out_arg = out.display().to_string();
-    let result = run(&[
-        "--backend",
-        "flex",
-        "--pp",
-        "2",
-        "--loops",
-        "2",
-        "--microbatches",
-        "4",
-        "--micro-batch-size",
-        "2",
-        "--layers",
-        "4",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--seq-len",
-        "16",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--out",
-        &out_arg,
-    ]);
+    let result = run(&[TINY_RUN, &["--out", &out_arg]].concat());
     let stdout = String::from_utf8_lossy(&result.stdout);
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(result.status.success(), "{stdout}\n{stderr}");
@@ -129,34 +132,6 @@ fn refuses_bad_settings_with_the_fix() {
     }
 }
 
-/// The layout of the process test: P=2, V=2, D=2 on a tiny model.
-const FOUR_RANKS: &[&str] = &[
-    "--backend",
-    "flex",
-    "--pp",
-    "2",
-    "--loops",
-    "2",
-    "--dp",
-    "2",
-    "--microbatches",
-    "4",
-    "--micro-batch-size",
-    "2",
-    "--layers",
-    "4",
-    "--hidden",
-    "32",
-    "--heads",
-    "2",
-    "--seq-len",
-    "16",
-    "--steps",
-    "3",
-    "--warmup",
-    "1",
-];
-
 /// The `final loss …, parameter L2 norm …` line of a run's output.
 fn final_line(stdout: &str) -> String {
     stdout
@@ -170,24 +145,18 @@ fn final_line(stdout: &str) -> String {
 fn one_process_per_rank_trains_what_threads_train() {
     let out = std::env::temp_dir().join(format!("bfpp-gpu-run-procs-{}", std::process::id()));
     let out_arg = out.display().to_string();
-    let threads = run(&[FOUR_RANKS, &["--out", &out_arg]].concat());
+    // P=2, V=2, D=2: four ranks.
+    let args = [TINY_RUN, &["--dp", "2", "--out", &out_arg]].concat();
+    let threads = run(&args);
     let stdout = String::from_utf8_lossy(&threads.stdout).into_owned();
     assert!(threads.status.success(), "{stdout}");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = free_local_port().expect("a free port");
     // torchrun's variables, as `bfpp launch --via tcp` or torchrun would set them.
     let children: Vec<_> = (0..4)
         .map(|rank| {
             Command::new(example())
-                .args(FOUR_RANKS)
-                .args(["--out", &out_arg])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "4")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
+                .args(&args)
+                .envs(RendezvousEnv::on_this_machine(rank, 4, port).vars())
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .spawn()

@@ -18,8 +18,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use burn_bfpp::comm::{
-    agree_by_all_gather, setup_group, CommConfig, CommOp, Communicator, Group, ProcessComm,
-    RankGrid, ReduceOp, RendezvousEnv, TcpComm, Transport, NCCL_ID_BYTES,
+    agree_by_all_gather, free_local_port, setup_group, CommConfig, CommOp, Communicator, Group,
+    ProcessComm, RankGrid, ReduceOp, RendezvousEnv, TcpComm, Transport, NCCL_ID_BYTES,
 };
 use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
@@ -182,19 +182,13 @@ fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String)
     };
     match launcher {
         Launcher::Tcp => {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free local port")
-                .port();
+            let port = free_local_port().expect("a free local port");
             let children: Vec<_> = (0..np)
                 .map(|rank| {
                     let mut cmd = Command::new(&exe);
                     cmd.args(RANK_PROCESS)
                         .envs(env.iter().copied())
-                        .env("RANK", rank.to_string())
-                        .env("WORLD_SIZE", np.to_string())
-                        .env("MASTER_ADDR", "127.0.0.1")
-                        .env("MASTER_PORT", port.to_string())
+                        .envs(RendezvousEnv::on_this_machine(rank, np, port).vars())
                         .stdout(std::process::Stdio::piped())
                         .stderr(std::process::Stdio::piped());
                     cmd.spawn().expect("a rank process starts")

@@ -14,11 +14,11 @@
 //! Either way the exit status is the first failure, and each rank's own error names the rank
 //! that failed first.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
+use burn_bfpp::comm::{free_local_port, RendezvousEnv};
 use clap::{Args, ValueEnum};
 
 /// How long ranks still running after the first failure get to stop on their own.
@@ -168,12 +168,8 @@ pub fn run(args: &LaunchArgs) -> Result<(), LaunchError> {
 pub fn rank_command(exe: &Path, args: &LaunchArgs, rank: usize, port: u16) -> Command {
     let mut cmd = Command::new(exe);
     cmd.args(&args.command)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", args.nproc.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string());
+        .envs(RendezvousEnv::on_this_machine(rank, args.nproc, port).vars())
+        .env("LOCAL_WORLD_SIZE", args.nproc.to_string());
     cmd
 }
 
@@ -181,10 +177,7 @@ pub fn rank_command(exe: &Path, args: &LaunchArgs, rank: usize, port: u16) -> Co
 /// (`rank R: STATUS`), if any.
 fn run_over_tcp(exe: &Path, args: &LaunchArgs) -> Result<Option<String>, LaunchError> {
     // A port the system just handed out is free; rank 0 binds it again at once.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(LaunchError::NoPort)?
-        .port();
+    let port = free_local_port().map_err(LaunchError::NoPort)?;
     let mut children: Vec<Option<Child>> = Vec::with_capacity(args.nproc);
     for rank in 0..args.nproc {
         match rank_command(exe, args, rank, port).spawn() {
@@ -296,7 +289,7 @@ mod tests {
             .filter_map(|(k, v)| Some((k.to_str()?.to_owned(), v?.to_str()?.to_owned())))
             .collect();
         let lookup = |k: &str| env.get(k).cloned();
-        let read = burn_bfpp::comm::RendezvousEnv::from_lookup(lookup)
+        let read = RendezvousEnv::from_lookup(lookup)
             .expect("valid variables")
             .expect("a launch");
         assert_eq!((read.rank, read.world_size, read.local_rank), (2, 3, 2));

@@ -82,7 +82,7 @@ pub use nccl::{nccl_available, CudaBackend, NcclComm};
 pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
 pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
-pub use store::{RendezvousEnv, StoreError, TcpStore};
+pub use store::{free_local_port, RendezvousEnv, StoreError, TcpStore};
 pub use tcp::{TcpComm, TcpTransport, ADVERTISE_ENV};
 pub use threads::{run_ranks, ThreadRank, World};
 

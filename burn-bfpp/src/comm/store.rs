@@ -110,6 +110,38 @@ impl RendezvousEnv {
     }
 }
 
+impl RendezvousEnv {
+    /// World rank `rank` of `world_size` processes on this machine (local rank = rank), whose
+    /// store is on `127.0.0.1:port`: what `bfpp launch --via tcp` starts.
+    pub fn on_this_machine(rank: usize, world_size: usize, port: u16) -> Self {
+        RendezvousEnv {
+            rank,
+            world_size,
+            local_rank: rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        }
+    }
+
+    /// The torchrun variables that describe this place in the job, for starting a process
+    /// there ([`from_env`](Self::from_env) reads them back).
+    pub fn vars(&self) -> [(&'static str, String); 5] {
+        [
+            ("RANK", self.rank.to_string()),
+            ("WORLD_SIZE", self.world_size.to_string()),
+            ("LOCAL_RANK", self.local_rank.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+        ]
+    }
+}
+
+/// A TCP port on this machine that nothing listens on right now (for a job's store; another
+/// program could take it before the store binds it, which then fails with its address).
+pub fn free_local_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
 type Table = Arc<Mutex<HashMap<String, Vec<u8>>>>;
 
 /// A client of the job's store; on world rank 0 also its server.
@@ -371,19 +403,24 @@ mod tests {
     }
 
     #[test]
+    fn the_variables_of_a_place_read_back_as_that_place() {
+        let place = RendezvousEnv {
+            rank: 5,
+            world_size: 8,
+            local_rank: 1,
+            master_addr: "node0".into(),
+            master_port: 29_500,
+        };
+        let vars: HashMap<&str, String> = place.vars().into_iter().collect();
+        let read = RendezvousEnv::from_lookup(|k| vars.get(k).cloned());
+        assert_eq!(read.expect("valid").expect("present"), place);
+    }
+
+    #[test]
     fn ranks_exchange_values_through_the_store_on_loopback() {
         // Port 0 is not usable by clients; find a free port first.
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let at = |rank| RendezvousEnv {
-            rank,
-            world_size: 3,
-            local_rank: rank,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-        };
+        let port = free_local_port().expect("a free port");
+        let at = |rank| RendezvousEnv::on_this_machine(rank, 3, port);
         let timeout = Duration::from_secs(5);
         // Clients start before the server exists and wait for it.
         let clients: Vec<_> = (1..3)

@@ -1,7 +1,6 @@
 //! [`TcpComm`] on loopback, each rank a thread with its own connections (as it would be a
 //! process): the same results as [`LocalComm`] bit for bit, and failures reported by rank.
 
-use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use super::tests::{tensor1, values, B};
@@ -9,21 +8,12 @@ use super::*;
 
 /// A port nobody listens on right now.
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free local port")
-        .port()
+    free_local_port().expect("a free local port")
 }
 
 /// The launcher's variables of world rank `rank` of `world_size`.
 fn env(rank: usize, world_size: usize, port: u16) -> RendezvousEnv {
-    RendezvousEnv {
-        rank,
-        world_size,
-        local_rank: rank,
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-    }
+    RendezvousEnv::on_this_machine(rank, world_size, port)
 }
 
 /// Connects a `pp × dp` world over TCP, one thread per rank, and runs `f` on every rank;
