@@ -153,18 +153,26 @@ impl TcpTransport {
         while missing > 0 {
             match listener.accept() {
                 Ok((stream, from)) => {
-                    let peer = greeted_by(&stream, deadline)
-                        .map_err(|e| format!("a connection from {from}: {e}"))?;
-                    if peer <= env.rank || peer >= env.world_size || streams[peer].is_some() {
-                        return Err(format!(
-                            "a connection from {from} claims to be rank {peer}, which is not \
-                             an expected higher rank of a world of {} (two jobs on one \
-                             MASTER_PORT?)",
-                            env.world_size
-                        ));
+                    // A stray client (a port scanner, a health check, another job) is
+                    // dropped; the ranks that are expected still have until the deadline.
+                    let expected = |peer: usize| {
+                        peer > env.rank && peer < env.world_size && streams[peer].is_none()
+                    };
+                    match greeted_by(&stream, deadline) {
+                        Ok(peer) if expected(peer) => {
+                            streams[peer] = Some(stream);
+                            missing -= 1;
+                        }
+                        Ok(peer) => tracing::warn!(
+                            %from, peer, rank = env.rank,
+                            "ignored a connection claiming an unexpected rank (two jobs on one \
+                             MASTER_PORT?)"
+                        ),
+                        Err(reason) => tracing::warn!(
+                            %from, %reason, rank = env.rank,
+                            "ignored a connection that is not a bfpp rank"
+                        ),
                     }
-                    streams[peer] = Some(stream);
-                    missing -= 1;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
@@ -266,11 +274,15 @@ fn hello(rank: usize) -> Vec<u8> {
     bytes
 }
 
-/// Reads a greeting, waiting until `deadline`; returns the peer's world rank.
+/// Longest wait for a new connection's greeting: a rank sends it right after connecting.
+const GREETING_WAIT: Duration = Duration::from_secs(5);
+
+/// Reads a greeting, waiting until `deadline` (at most [`GREETING_WAIT`]); returns the
+/// peer's world rank.
 fn greeted_by(stream: &TcpStream, deadline: Instant) -> Result<usize, String> {
     let left = deadline
         .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(100));
+        .clamp(Duration::from_millis(100), GREETING_WAIT);
     let mut stream = stream;
     stream
         .set_nonblocking(false)

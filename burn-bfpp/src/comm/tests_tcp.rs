@@ -249,3 +249,32 @@ fn a_failure_learned_from_a_peer_is_passed_on_once_before_this_rank_stops() {
     let forwarded = posted.borrow()[0].1.clone();
     assert_eq!(forwarded, super::wire::encode_abort(2, "disk full"));
 }
+
+#[test]
+fn a_stray_connection_at_start_up_does_not_break_the_world() {
+    let grid = RankGrid::new(2, 1).expect("valid grid");
+    let port = free_port();
+    let config = CommConfig::with_timeout(Duration::from_secs(20));
+    let results = std::thread::scope(|scope| {
+        let rank0 = scope.spawn(move || {
+            let comm = TcpComm::<B>::connect(&env(0, 2, port), grid, Default::default(), config)?;
+            comm.barrier(Group::Pipeline)
+        });
+        // A client that is not a rank reaches rank 0's published port before rank 1 does.
+        let store = TcpStore::connect(&env(1, 2, port), Duration::from_secs(20)).expect("store");
+        let published = store.get("bfpp/tcp/address/0").expect("rank 0 publishes");
+        let addr: std::net::SocketAddr = String::from_utf8_lossy(&published)
+            .parse()
+            .expect("an address");
+        let mut stray = std::net::TcpStream::connect(addr).expect("the port is open");
+        std::io::Write::write_all(&mut stray, b"GET / HTTP/1.0\r\n\r\n").expect("write");
+        let rank1 = scope.spawn(move || {
+            let comm = TcpComm::<B>::connect(&env(1, 2, port), grid, Default::default(), config)?;
+            comm.barrier(Group::Pipeline)
+        });
+        [rank0.join(), rank1.join()].map(|r| r.expect("rank thread"))
+    });
+    for (rank, result) in results.iter().enumerate() {
+        assert!(result.is_ok(), "rank {rank}: {result:?}");
+    }
+}
