@@ -55,7 +55,8 @@ enum Command {
     /// The best layout of each family: breadth-first, depth-first, 1f1b, gpipe, megatron.
     Compare(Box<cli::plan::CompareArgs>),
     /// Start N local processes of this binary under mpirun, one rank each:
-    /// `bfpp launch --nproc 4 -- train --pp 2 --dp 2` (needs a build with --features mpi).
+    /// `bfpp launch --nproc 4 -- train --pp 2 --dp 2`: one process per rank, connected over
+    /// TCP (or started by mpirun in builds with --features mpi).
     Launch(cli::launch::LaunchArgs),
 }
 

@@ -143,3 +143,45 @@ fn four_mpi_processes_report_what_the_in_process_run_reports() {
 fn a_failing_mpi_rank_stops_the_launch_and_is_named() {
     a_failing_rank_stops_the_launch_and_is_named("mpirun");
 }
+
+#[test]
+fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
+    let port = burn_bfpp::comm::free_local_port()
+        .expect("a free port")
+        .to_string();
+    let dir = out_dir("two-nodes");
+    // Two `bfpp launch` of two processes each, as on two machines: node 0 serves the store.
+    let node = |rank: &str| {
+        Command::new(env!("CARGO_BIN_EXE_bfpp"))
+            .args(["launch", "--via", "tcp", "--nproc", "2", "--nnodes", "2"])
+            .args(["--node-rank", rank, "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &port, "--", "train"])
+            .args(TINY)
+            .args(RUN)
+            .arg("--out-dir")
+            .arg(&dir)
+            .env_remove("BFPP_FAULT_INJECT")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the bfpp binary runs")
+    };
+    let (first, second) = (node("0"), node("1"));
+    let (first, second) = (
+        first.wait_with_output().expect("node 0 ends"),
+        second.wait_with_output().expect("node 1 ends"),
+    );
+    assert!(first.status.success(), "node 0:\n{}", text(&first));
+    assert!(second.status.success(), "node 1:\n{}", text(&second));
+    let (local, _) = bfpp(None, "two-nodes-local", &[]);
+    let doc = |o: &Output| -> Value {
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{}", text(o)))
+    };
+    // World rank 0 runs on node 0 and reports; node 1's ranks print nothing.
+    let (n, l) = (doc(&first), doc(&local));
+    for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
+        assert_eq!(n[key].to_string(), l[key].to_string(), "{key} differs");
+    }
+    assert!(second.stdout.is_empty(), "node 1 printed:\n{}", text(&second));
+}

@@ -56,6 +56,22 @@ pub struct LaunchArgs {
     /// The launcher to use with `--via mpirun`; default: `mpirun` from PATH.
     #[arg(long, value_name = "PATH")]
     pub mpirun: Option<PathBuf>,
+    /// `--via tcp`: machines of the job, each running one `bfpp launch` with the same flags
+    /// but its own `--node-rank`; the world is nnodes × nproc ranks.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub nnodes: usize,
+    /// `--via tcp`: this machine's index among the `--nnodes` (its ranks are
+    /// node-rank × nproc + 0..nproc).
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    pub node_rank: usize,
+    /// `--via tcp`: the address of node 0, where world rank 0 serves the rendezvous store;
+    /// default 127.0.0.1 (required with --nnodes above 1).
+    #[arg(long, value_name = "HOST")]
+    pub master_addr: Option<String>,
+    /// `--via tcp`: the store's port on node 0; default: a free port (required with
+    /// --nnodes above 1).
+    #[arg(long, value_name = "PORT")]
+    pub master_port: Option<u16>,
     /// The bfpp command every process runs, e.g. `train --pp 2 --dp 2`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -67,6 +83,9 @@ pub enum LaunchError {
     /// `--nproc 0`.
     #[error("--nproc must be at least 1")]
     NoProcesses,
+    /// Flags that do not fit together.
+    #[error("{0}")]
+    Flags(String),
     /// No launcher on PATH.
     #[error(
         "`mpirun` was not found on PATH; install OpenMPI (Debian/Ubuntu: `apt-get install \
@@ -143,6 +162,13 @@ pub fn run(args: &LaunchArgs) -> Result<(), LaunchError> {
     let exe = std::env::current_exe().map_err(LaunchError::SelfPath)?;
     let failure = match args.via.unwrap_or_default() {
         Via::Mpirun => {
+            if args.nnodes != 1 || args.master_addr.is_some() || args.master_port.is_some() {
+                return Err(LaunchError::Flags(
+                    "--nnodes, --node-rank, --master-addr and --master-port are for --via tcp; \
+                     with mpirun, name the machines in a hostfile (see docs/multi-node.md)"
+                        .into(),
+                ));
+            }
             let launcher = match &args.mpirun {
                 Some(p) => p.clone(),
                 None => find_in_path("mpirun").ok_or(LaunchError::NoMpirun)?,
@@ -163,12 +189,49 @@ pub fn run(args: &LaunchArgs) -> Result<(), LaunchError> {
     }
 }
 
-/// The command of world rank `rank` of `args.nproc` processes whose store is on
-/// `127.0.0.1:port`.
-pub fn rank_command(exe: &Path, args: &LaunchArgs, rank: usize, port: u16) -> Command {
+/// Where the ranks of this machine find the job's store: `(address, port)`; checks the
+/// multi-node flags.
+fn store_of(args: &LaunchArgs) -> Result<(String, u16), LaunchError> {
+    let flags = |m: String| Err(LaunchError::Flags(m));
+    if args.nnodes == 0 || args.node_rank >= args.nnodes {
+        return flags(format!(
+            "--node-rank {} is not below --nnodes {}: number the machines 0..{}",
+            args.node_rank,
+            args.nnodes,
+            args.nnodes.max(1)
+        ));
+    }
+    match (&args.master_addr, args.master_port) {
+        (Some(addr), Some(port)) => Ok((addr.clone(), port)),
+        _ if args.nnodes > 1 => flags(format!(
+            "--nnodes {} needs --master-addr and --master-port: the address of node 0 and a \
+             free port there, the same on every machine",
+            args.nnodes
+        )),
+        (addr, port) => {
+            let port = match port {
+                Some(p) => p,
+                // A port the system just handed out is free; rank 0 binds it again at once.
+                None => free_local_port().map_err(LaunchError::NoPort)?,
+            };
+            let addr = addr.clone().unwrap_or_else(|| "127.0.0.1".into());
+            Ok((addr, port))
+        }
+    }
+}
+
+/// The command of local rank `local` of this machine, whose job's store is `store`.
+pub fn rank_command(exe: &Path, args: &LaunchArgs, local: usize, store: &(String, u16)) -> Command {
+    let place = RendezvousEnv {
+        rank: args.node_rank * args.nproc + local,
+        world_size: args.nnodes * args.nproc,
+        local_rank: local,
+        master_addr: store.0.clone(),
+        master_port: store.1,
+    };
     let mut cmd = Command::new(exe);
     cmd.args(&args.command)
-        .envs(RendezvousEnv::on_this_machine(rank, args.nproc, port).vars())
+        .envs(place.vars())
         .env("LOCAL_WORLD_SIZE", args.nproc.to_string());
     cmd
 }
@@ -176,11 +239,10 @@ pub fn rank_command(exe: &Path, args: &LaunchArgs, rank: usize, port: u16) -> Co
 /// Starts the ranks with torchrun's variables and waits for them; returns the first failure
 /// (`rank R: STATUS`), if any.
 fn run_over_tcp(exe: &Path, args: &LaunchArgs) -> Result<Option<String>, LaunchError> {
-    // A port the system just handed out is free; rank 0 binds it again at once.
-    let port = free_local_port().map_err(LaunchError::NoPort)?;
+    let store = store_of(args)?;
     let mut children: Vec<Option<Child>> = Vec::with_capacity(args.nproc);
-    for rank in 0..args.nproc {
-        match rank_command(exe, args, rank, port).spawn() {
+    for local in 0..args.nproc {
+        match rank_command(exe, args, local, &store).spawn() {
             Ok(child) => children.push(Some(child)),
             Err(source) => {
                 kill_all(&mut children);
@@ -194,7 +256,8 @@ fn run_over_tcp(exe: &Path, args: &LaunchArgs) -> Result<Option<String>, LaunchE
     let mut first_failure: Option<(Instant, String)> = None;
     loop {
         let mut running = 0;
-        for (rank, slot) in children.iter_mut().enumerate() {
+        for (local, slot) in children.iter_mut().enumerate() {
+            let rank = args.node_rank * args.nproc + local;
             let Some(child) = slot else { continue };
             match child.try_wait() {
                 Ok(Some(status)) => {
@@ -247,6 +310,10 @@ mod tests {
             nproc: 4,
             via: None,
             mpirun: None,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: None,
+            master_port: None,
             command: vec!["train".into(), "--pp".into(), "2".into()],
         };
         let cmd = mpirun_command(Path::new("/usr/bin/mpirun"), Path::new("/x/bfpp"), &args);
@@ -276,14 +343,19 @@ mod tests {
             nproc: 3,
             via: Some(Via::Tcp),
             mpirun: None,
-            command: vec!["train".into(), "--dp".into(), "3".into()],
+            nnodes: 2,
+            node_rank: 1,
+            master_addr: Some("node0".into()),
+            master_port: Some(29_512),
+            command: vec!["train".into(), "--dp".into(), "6".into()],
         };
-        let cmd = rank_command(Path::new("/x/bfpp"), &args, 2, 29_512);
+        let store = store_of(&args).expect("valid flags");
+        let cmd = rank_command(Path::new("/x/bfpp"), &args, 2, &store);
         let argv: Vec<String> = cmd
             .get_args()
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
-        assert_eq!(argv, ["train", "--dp", "3"]);
+        assert_eq!(argv, ["train", "--dp", "6"]);
         let env: std::collections::HashMap<String, String> = cmd
             .get_envs()
             .filter_map(|(k, v)| Some((k.to_str()?.to_owned(), v?.to_str()?.to_owned())))
@@ -292,10 +364,48 @@ mod tests {
         let read = RendezvousEnv::from_lookup(lookup)
             .expect("valid variables")
             .expect("a launch");
-        assert_eq!((read.rank, read.world_size, read.local_rank), (2, 3, 2));
+        // Machine 1's local rank 2 is world rank 1 × 3 + 2 of 6.
+        assert_eq!((read.rank, read.world_size, read.local_rank), (5, 6, 2));
         assert_eq!(
             (read.master_addr.as_str(), read.master_port),
-            ("127.0.0.1", 29_512)
+            ("node0", 29_512)
         );
+    }
+
+    #[test]
+    fn multi_node_flags_are_checked() {
+        let one = LaunchArgs {
+            nproc: 2,
+            via: Some(Via::Tcp),
+            mpirun: None,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: None,
+            master_port: None,
+            command: vec!["train".into()],
+        };
+        let (addr, _) = store_of(&one).expect("one machine needs nothing");
+        assert_eq!(addr, "127.0.0.1");
+        let two = LaunchArgs {
+            nnodes: 2,
+            ..one.clone()
+        };
+        let err = store_of(&two).expect_err("no master").to_string();
+        assert!(err.contains("--master-addr and --master-port"), "{err}");
+        let beyond = LaunchArgs {
+            node_rank: 2,
+            master_addr: Some("n0".into()),
+            master_port: Some(1),
+            ..two
+        };
+        let err = store_of(&beyond).expect_err("node 2 of 2").to_string();
+        assert!(err.contains("not below --nnodes 2"), "{err}");
+        let mpirun = LaunchArgs {
+            via: Some(Via::Mpirun),
+            nnodes: 2,
+            ..one
+        };
+        let err = run(&mpirun).expect_err("tcp flags with mpirun").to_string();
+        assert!(err.contains("hostfile"), "{err}");
     }
 }
