@@ -54,9 +54,8 @@ enum Command {
     Plan(Box<cli::plan::PlanArgs>),
     /// The best layout of each family: breadth-first, depth-first, 1f1b, gpipe, megatron.
     Compare(Box<cli::plan::CompareArgs>),
-    /// Start N local processes of this binary under mpirun, one rank each:
-    /// `bfpp launch --nproc 4 -- train --pp 2 --dp 2`: one process per rank, connected over
-    /// TCP (or started by mpirun in builds with --features mpi).
+    /// Start N processes of this binary, one rank each, connected over TCP (or started by
+    /// mpirun in builds with --features mpi): `bfpp launch --nproc 4 -- train --pp 2 --dp 2`.
     Launch(cli::launch::LaunchArgs),
 }
 
