@@ -183,5 +183,51 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
     for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
         assert_eq!(n[key].to_string(), l[key].to_string(), "{key} differs");
     }
-    assert!(second.stdout.is_empty(), "node 1 printed:\n{}", text(&second));
+    assert!(
+        second.stdout.is_empty(),
+        "node 1 printed:\n{}",
+        text(&second)
+    );
+}
+
+#[test]
+fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
+    let port = burn_bfpp::comm::free_local_port().expect("a free port");
+    let dir = out_dir("killed");
+    // Rank 1 stalls at step 2 (as a hung or swapping process would), and is then killed.
+    let mut ranks: Vec<_> = (0..4)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_bfpp"))
+                .arg("train")
+                .args(TINY)
+                .args(RUN)
+                .arg("--out-dir")
+                .arg(&dir)
+                .envs(burn_bfpp::comm::RendezvousEnv::on_this_machine(rank, 4, port).vars())
+                .env("BFPP_FAULT_INJECT", "rank=1,step=2,kind=sleep,secs=120")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("the bfpp binary runs")
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    let start = Instant::now();
+    ranks[1].kill().expect("rank 1 can be killed");
+    let outputs: Vec<Output> = ranks
+        .into_iter()
+        .map(|r| r.wait_with_output().expect("a rank ends"))
+        .collect();
+    let took = start.elapsed();
+    for (rank, out) in outputs.iter().enumerate().filter(|(r, _)| *r != 1) {
+        let log = text(out);
+        assert!(!out.status.success(), "rank {rank} succeeded:\n{log}");
+        assert!(
+            log.contains("rank 1 has exited"),
+            "rank {rank} does not name rank 1:\n{log}"
+        );
+    }
+    // The others stop on the closed connections, not at RUN's 10 s timeout (which would say
+    // "timed out" and come about 7 s after the kill).
+    assert!(took < Duration::from_secs(4), "took {took:?}");
 }
