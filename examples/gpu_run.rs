@@ -149,8 +149,19 @@ struct Args {
 
 type Error = Box<dyn std::error::Error>;
 
-fn main() -> Result<(), Error> {
-    let args = Args::parse();
+fn main() -> std::process::ExitCode {
+    match start(Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The message, not `Result`'s debug form: it names the problem and the fix.
+            eprintln!("gpu_run: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Checks the settings, then trains with ranks as threads or, under a launcher, as processes.
+fn start(args: Args) -> Result<(), Error> {
     use cubecl_kernels::cube::{set_attention_kernel, AttentionKernel};
     set_attention_kernel(match args.attention {
         AttentionChoice::Auto => AttentionKernel::Auto,
@@ -168,6 +179,10 @@ fn main() -> Result<(), Error> {
     }
     if args.comm == CommChoice::Nccl && args.backend != BackendChoice::Cuda {
         return Err("--comm nccl needs --backend cuda".into());
+    }
+    #[cfg(feature = "cuda")]
+    if args.backend == BackendChoice::Cuda {
+        burn_bfpp::comm::cuda_driver_available()?;
     }
     // One process per rank when a launcher set torchrun's variables, threads otherwise.
     let process = RendezvousEnv::from_env()?.filter(|env| env.world_size > 1);

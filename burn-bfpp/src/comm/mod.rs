@@ -77,7 +77,7 @@ pub use self::mpi::{mpi_launch_env, MpiComm, MpiTransport};
 pub use error::{CommError, RankError};
 pub use local::LocalComm;
 #[cfg(feature = "cuda")]
-pub use nccl::{nccl_available, CudaBackend, NcclComm};
+pub use nccl::{cuda_driver_available, nccl_available, CudaBackend, NcclComm};
 #[cfg(feature = "cuda")]
 pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};

@@ -78,6 +78,23 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement, H: fmt::Debug> fmt::Debug
 /// What to look at when NCCL cannot create a communicator.
 const CHECK_NCCL: &str = "check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)";
 
+/// Whether the CUDA driver library can be loaded: without it Burn's CUDA backend panics
+/// inside its device thread at the first tensor, so programs check this first and report the
+/// fix instead.
+pub fn cuda_driver_available() -> Result<(), CommError> {
+    // SAFETY: only tries to load the shared library and reports whether it was found.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CommError::Unavailable {
+            what: "the CUDA driver (libcuda.so.1)".into(),
+            fix: "run on a machine with an NVIDIA GPU and its driver installed (nvidia-smi \
+                  must work), with libcuda.so.1 on the loader's path"
+                .into(),
+        })
+    }
+}
+
 /// Whether the NCCL library can be loaded; a missing one is a start-up error naming the fix
 /// rather than a panic inside the first collective.
 pub fn nccl_available() -> Result<(), CommError> {
