@@ -231,3 +231,23 @@ fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
     // "timed out" and come about 7 s after the kill).
     assert!(took < Duration::from_secs(4), "took {took:?}");
 }
+
+#[test]
+fn comm_tcp_without_a_launcher_says_how_to_start_the_processes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_bfpp"))
+        .arg("train")
+        .args(TINY)
+        .args(RUN)
+        .args(["--comm", "tcp"])
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .expect("the bfpp binary runs");
+    let log = text(&out);
+    assert!(!out.status.success(), "it ran:\n{log}");
+    assert!(
+        log.contains("needs the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or")
+            && log.contains("bfpp launch --nproc 4 -- train"),
+        "{log}"
+    );
+}

@@ -74,7 +74,9 @@ impl Ranks {
         }
         let env = rendezvous()?.ok_or_else(|| {
             TrainError::Config(format!(
-                "--comm tcp needs the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT                  (or SLURM_PROCID and SLURM_NTASKS); start the {} processes with                  `bfpp launch --nproc {} -- train …` or torchrun, or run with --comm local",
+                "--comm tcp needs the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT \
+                 (or SLURM_PROCID and SLURM_NTASKS); start the {} processes with \
+                 `bfpp launch --nproc {} -- train …` or torchrun, or run with --comm local",
                 grid.world_size(),
                 grid.world_size()
             ))
