@@ -240,9 +240,14 @@ fn start(args: Args) -> Result<(), Error> {
                 burn_bfpp::comm::NcclComm::over_host,
             )
         }
-        #[allow(unreachable_patterns)]
-        (BackendChoice::Wgpu, _, Some(_)) => {
-            Err("one process per rank runs on --backend cuda or flex, not wgpu".into())
+        #[cfg(feature = "wgpu")]
+        (BackendChoice::Wgpu, _, Some(env)) => {
+            processes::<burn::backend::Autodiff<burn::backend::Wgpu>, _>(
+                &args,
+                &env,
+                |_| burn::backend::wgpu::WgpuDevice::default(),
+                Ok,
+            )
         }
         #[allow(unreachable_patterns)]
         (other, _, _) => Err(format!(
