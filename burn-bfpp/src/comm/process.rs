@@ -146,26 +146,6 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         self.state.borrow().failure.clone()
     }
 
-    /// Sends opaque bytes to world rank `peer` on stream `tag` (result gathering); does not
-    /// block.
-    fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
-        let action = CommOp::Send { tag };
-        self.check(action, &[bytes.len()])?;
-        self.check_peer(peer, action)?;
-        self.post_data(peer, Stream::Bytes(tag), action, &Payload::Bytes(bytes))
-    }
-
-    /// Receives the oldest bytes world rank `peer` sent on stream `tag`.
-    fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
-        let action = CommOp::Recv { tag };
-        self.check(action, &[])?;
-        self.check_peer(peer, action)?;
-        match self.wait(peer, Stream::Bytes(tag), action, &[])? {
-            Payload::Bytes(b) => Ok(b),
-            _ => Err(self.fail(self.data(action, format!("rank {peer} sent no bytes")))),
-        }
-    }
-
     fn data(&self, action: CommOp, reason: String) -> CommError {
         CommError::Data {
             rank: self.rank,

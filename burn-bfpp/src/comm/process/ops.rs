@@ -23,10 +23,20 @@ pub trait ProcessRank<B: Backend>: Communicator<B> {
 
 impl<B: Backend, T: Transport> ProcessRank<B> for ProcessComm<B, T> {
     fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError> {
-        ProcessComm::send_bytes(self, peer, tag, bytes)
+        let action = CommOp::Send { tag };
+        self.check(action, &[bytes.len()])?;
+        self.check_peer(peer, action)?;
+        self.post_data(peer, Stream::Bytes(tag), action, &Payload::Bytes(bytes))
     }
+
     fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
-        ProcessComm::recv_bytes(self, peer, tag)
+        let action = CommOp::Recv { tag };
+        self.check(action, &[])?;
+        self.check_peer(peer, action)?;
+        match self.wait(peer, Stream::Bytes(tag), action, &[])? {
+            Payload::Bytes(b) => Ok(b),
+            _ => Err(self.fail(self.data(action, format!("rank {peer} sent no bytes")))),
+        }
     }
 }
 
