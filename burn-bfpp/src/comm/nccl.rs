@@ -78,38 +78,41 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement, H: fmt::Debug> fmt::Debug
 /// What to look at when NCCL cannot create a communicator.
 const CHECK_NCCL: &str = "check that NCCL and the GPUs work (nvidia-smi, NCCL_DEBUG=INFO)";
 
+/// `Ok` when a shared library was found, else [`CommError::Unavailable`] naming it and the fix.
+fn loadable(present: bool, what: &str, fix: &str) -> Result<(), CommError> {
+    if present {
+        return Ok(());
+    }
+    Err(CommError::Unavailable {
+        what: what.into(),
+        fix: fix.into(),
+    })
+}
+
 /// Whether the CUDA driver library can be loaded: without it Burn's CUDA backend panics
 /// inside its device thread at the first tensor, so programs check this first and report the
 /// fix instead.
 pub fn cuda_driver_available() -> Result<(), CommError> {
-    // SAFETY: only tries to load the shared library and reports whether it was found.
-    if unsafe { cudarc::driver::sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(CommError::Unavailable {
-            what: "the CUDA driver (libcuda.so.1)".into(),
-            fix: "run on a machine with an NVIDIA GPU and its driver installed (nvidia-smi \
-                  must work), with libcuda.so.1 on the loader's path"
-                .into(),
-        })
-    }
+    loadable(
+        // SAFETY: only tries to load the shared library and reports whether it was found.
+        unsafe { cudarc::driver::sys::is_culib_present() },
+        "the CUDA driver (libcuda.so.1)",
+        "run on a machine with an NVIDIA GPU and its driver installed (nvidia-smi must work), \
+         with libcuda.so.1 on the loader's path",
+    )
 }
 
 /// Whether the NCCL library can be loaded; a missing one is a start-up error naming the fix
 /// rather than a panic inside the first collective.
 pub fn nccl_available() -> Result<(), CommError> {
-    // SAFETY: only tries to load the shared library and reports whether it was found.
-    if unsafe { cudarc::nccl::sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(CommError::Unavailable {
-            what: "NCCL".into(),
-            fix: "install NCCL (libnccl.so.2) and make `libnccl.so` loadable: e.g. \
-                  `ln -s …/nvidia/nccl/lib/libnccl.so.2 libnccl.so` in a directory on \
-                  LD_LIBRARY_PATH (PyTorch's wheel ships it)"
-                .into(),
-        })
-    }
+    loadable(
+        // SAFETY: only tries to load the shared library and reports whether it was found.
+        unsafe { cudarc::nccl::sys::is_culib_present() },
+        "NCCL",
+        "install NCCL (libnccl.so.2) and make `libnccl.so` loadable: e.g. \
+         `ln -s …/nvidia/nccl/lib/libnccl.so.2 libnccl.so` in a directory on LD_LIBRARY_PATH \
+         (PyTorch's wheel ships it)",
+    )
 }
 
 /// Creates one communicator for each group of `group` whose members' devices are distinct,
