@@ -21,6 +21,12 @@ OUT=target/gpu-check
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'gpu-check: %s\n' "$1" >&2; exit "${2:-1}"; }
+# Prints the failed steps (if any) with a last word; the caller exits.
+report_failures() {
+    local failure
+    for failure in "${failures[@]}"; do printf 'gpu-check: FAILED: %s\n' "$failure" >&2; done
+    [[ -z "${1:-}" ]] || printf 'gpu-check: %s\n' "$1" >&2
+}
 
 if [[ "${1:-run}" == "build" ]]; then
     step "building the CUDA kernel tests (x86-64, no GPU needed to build)"
@@ -65,13 +71,24 @@ python3 -c 'import torch; print("torch", torch.__version__)' \
 step "kernel correctness on CUDA (fresh random inputs, NaN-poisoned outputs, float64 oracle)"
 # --include-ignored: tests marked `#[ignore = "needs an NVIDIA GPU"]` (the fused linear +
 # bias + GELU, f32/f16/bf16) are exactly what this machine is for.
-"$OUT/cuda_kernels" --test-threads=1 --include-ignored
+# A failing step is recorded and the next one still runs: on a machine lent for minutes, one
+# failure must not cost the figures of the steps after it. The exit status says it at the end.
+failures=()
+timeout "${CORRECTNESS_S:-150}" "$OUT/cuda_kernels" --test-threads=1 --include-ignored \
+    || failures+=("kernel correctness tests (exit status $?; 124 = out of time)")
 
 step "fused kernels against Burn's CUDA path (bf16; cross-entropy f32), time and measured peak memory"
-"$OUT/kernel_bench" --json "$OUT/kernels.json"
+rm -f "$OUT/kernels.json"
+timeout "${BENCH_S:-200}" "$OUT/kernel_bench" --json "$OUT/kernels.json" \
+    || failures+=("kernel_bench (exit status $?; 124 = out of time)")
+[[ -f "$OUT/kernels.json" ]] || {
+    report_failures "no $OUT/kernels.json, so no ratio table"
+    exit 1
+}
 
 step "PyTorch reference timings at the same shapes, and the ratio table"
-KERNELS_JSON="$OUT/kernels.json" python3 - <<'PY'
+KERNELS_JSON="$OUT/kernels.json" timeout "${TORCH_S:-120}" python3 - <<'PY' \
+    || failures+=("PyTorch timings and ratio table (exit status $?)")
 import json, os
 import torch, torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
@@ -131,3 +148,7 @@ for op, m in ours["peak_bytes"].items():
     goal = f" (goal >= 10x: {'met' if ratio >= 10 else 'NOT met'})" if op == "ce" else ""
     print(f"| {op} | {m['burn'] / 2**20:.1f} | {m['fused'] / 2**20:.1f} | {ratio:.1f}x{goal} |")
 PY
+if ((${#failures[@]})); then
+    report_failures "the figures above are from the steps that ran to the end"
+    exit 1
+fi

@@ -45,6 +45,10 @@ sys.exit(0 if rel <= 1e-2 else f"check FAILED: {na} and {nb} differ by more than
 PY
 }
 die() { printf 'gpu-run: %s\n' "$1" >&2; exit "${2:-1}"; }
+# A failing step is recorded and the next one still runs: on a machine lent for minutes, one
+# failure must not cost the figures of the steps after it. The exit status says it at the end.
+failures=()
+failed() { failures+=("$1"); printf 'gpu-run: FAILED: %s\n' "$1" >&2; }
 
 if [[ "${1:-run}" == "build" ]]; then
     step "building examples/gpu_run.rs with the CUDA backend (x86-64, no GPU needed to build)"
@@ -83,14 +87,16 @@ gpus=$(nvidia-smi -L | grep -c '^GPU ')
 
 step "training on GPU 0: breadth-first pp=4 loops=2 (8 stages), ZeRO-3, ranks sharing the GPU"
 # shellcheck disable=SC2086
-timeout 300 "$OUT/gpu_run" --backend cuda --out "$OUT/out" ${GPU_RUN_ARGS:-} | tee "$OUT/one-gpu.log"
+timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --out "$OUT/out" ${GPU_RUN_ARGS:-} 2>&1 \
+    | tee "$OUT/one-gpu.log" || failed "the one-GPU training run (exit status $?; 124 = out of time)"
 
 step "NCCL communicator: collectives on every GPU, then the same run with --comm nccl"
-timeout 120 "$OUT/nccl_comm" --include-ignored --test-threads=1
+timeout 90 "$OUT/nccl_comm" --include-ignored --test-threads=1 \
+    || failed "the NcclComm tests (exit status $?)"
 # shellcheck disable=SC2086
-timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-nccl" ${GPU_RUN_ARGS:-} \
-    | tee "$OUT/nccl.log"
-compare_losses "LocalComm" "$OUT/one-gpu.log" "NcclComm" "$OUT/nccl.log"
+timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-nccl" ${GPU_RUN_ARGS:-} 2>&1 \
+    | tee "$OUT/nccl.log" || failed "the --comm nccl training run (exit status $?)"
+compare_losses "LocalComm" "$OUT/one-gpu.log" "NcclComm" "$OUT/nccl.log" || failed "LocalComm against NcclComm"
 
 step "process ranks: the same run as 4 processes (torchrun's variables, TCP between them, NcclComm over it)"
 # What `bfpp launch --via tcp` and torchrun do: one process per rank, rank r on GPU r % gpus
@@ -101,30 +107,37 @@ pids=()
 for rank in 0 1 2 3; do
     # shellcheck disable=SC2086
     RANK=$rank WORLD_SIZE=4 LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-        timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-processes" \
+        timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-processes" \
         ${GPU_RUN_ARGS:-} >"$OUT/process-$rank.log" 2>&1 &
     pids+=($!)
 done
-failed=0
+ranks_failed=0
 for rank in 0 1 2 3; do
-    wait "${pids[$rank]}" || { failed=1; echo "rank $rank failed:"; tail -n 5 "$OUT/process-$rank.log"; }
+    wait "${pids[$rank]}" || { ranks_failed=1; echo "rank $rank failed:"; tail -n 5 "$OUT/process-$rank.log"; }
 done
 cat "$OUT/process-0.log"
-((failed == 0)) || die "the process-rank run failed (logs: $OUT/process-*.log)"
-compare_losses "threads" "$OUT/one-gpu.log" "processes" "$OUT/process-0.log"
+if ((ranks_failed)); then
+    failed "the process-rank run (logs: $OUT/process-*.log)"
+else
+    compare_losses "threads" "$OUT/one-gpu.log" "processes" "$OUT/process-0.log" || failed "threads against processes"
+fi
 
 if ((gpus > 1)); then
     step "multi-GPU check: the same run with the ranks spread over $gpus GPUs"
     # With LocalComm, pipeline transfers cross GPUs through host memory, so this checks
     # placement and equivalence, not scaling: the final loss must match the one-GPU run's.
     # shellcheck disable=SC2086
-    timeout 300 "$OUT/gpu_run" --backend cuda --gpus "$gpus" --out "$OUT/out-multi" ${GPU_RUN_ARGS:-} \
-        | tee "$OUT/multi-gpu.log"
-    compare_losses "one GPU" "$OUT/one-gpu.log" "spread over GPUs" "$OUT/multi-gpu.log"
+    timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --gpus "$gpus" --out "$OUT/out-multi" ${GPU_RUN_ARGS:-} 2>&1 \
+        | tee "$OUT/multi-gpu.log" || failed "the multi-GPU run (exit status $?)"
+    compare_losses "one GPU" "$OUT/one-gpu.log" "spread over GPUs" "$OUT/multi-gpu.log" || failed "one GPU against spread"
     step "multi-GPU check with NcclComm: collectives on NCCL, transfers as peer copies"
     # shellcheck disable=SC2086
-    timeout 300 "$OUT/gpu_run" --backend cuda --comm nccl --gpus "$gpus" --out "$OUT/out-multi-nccl" \
-        ${GPU_RUN_ARGS:-} | tee "$OUT/multi-gpu-nccl.log"
-    compare_losses "one GPU" "$OUT/one-gpu.log" "NCCL over GPUs" "$OUT/multi-gpu-nccl.log"
+    timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --comm nccl --gpus "$gpus" --out "$OUT/out-multi-nccl" \
+        ${GPU_RUN_ARGS:-} 2>&1 | tee "$OUT/multi-gpu-nccl.log" || failed "the multi-GPU NCCL run (exit status $?)"
+    compare_losses "one GPU" "$OUT/one-gpu.log" "NCCL over GPUs" "$OUT/multi-gpu-nccl.log" || failed "one GPU against NCCL over GPUs"
+fi
+if ((${#failures[@]})); then
+    printf 'gpu-run: FAILED: %s\n' "${failures[@]}" >&2
+    exit 1
 fi
 step "done: figures above, timelines in $OUT/out/"
