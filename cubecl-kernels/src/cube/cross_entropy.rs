@@ -21,7 +21,7 @@ use super::flash_fwd::HIDDEN;
 /// are `[tokens]` f32 and indexed by the global token `row0 + local row`; the chunk holds
 /// vocabulary columns `col0 .. col0 + cols`.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub(crate) fn ce_chunk_stats_kernel<F: Float>(
     logits: &Tensor<F>,
     targets: &Tensor<i32>,
@@ -58,8 +58,13 @@ pub(crate) fn ce_chunk_stats_kernel<F: Float>(
     sync_cube();
     let mut stride = (threads / 2).runtime();
     while stride > 0 {
-        if tid < stride && red[tid + stride] > red[tid] {
-            red[tid] = red[tid + stride];
+        // Nested, not `tid < stride && red[tid + stride] > …`: CubeCL evaluates both sides
+        // of `&&`, and `red[tid + stride]` past the shared array is an illegal address on
+        // CUDA (Vulkan drivers clamp it, which hid it on lavapipe).
+        if tid < stride {
+            if red[tid + stride] > red[tid] {
+                red[tid] = red[tid + stride];
+            }
         }
         sync_cube();
         stride /= 2;
