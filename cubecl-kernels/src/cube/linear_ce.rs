@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, IntDType, Shape, Slice, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::full_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
@@ -23,7 +22,7 @@ use super::cross_entropy::{
     ce_chunk_grad_kernel, ce_chunk_stats_kernel, ce_finish_kernel, ce_valid_kernel,
 };
 use super::flash_fwd::HIDDEN;
-use super::output;
+use super::{contiguous_full, output};
 
 /// Vocabulary columns per chunk by default. At 8192 tokens a chunk is 32 MiB in f32 (16 MiB
 /// in bf16) against 1.6 GiB for the full GPT-2 logits, and a `[8192 × 1024] · [1024 × 1024]`
@@ -98,11 +97,11 @@ where
 }
 
 fn filled<R: CubeRuntime>(like: &CubeTensor<R>, n: usize, value: f32) -> CubeTensor<R> {
-    full_device_dtype(
+    contiguous_full(
         like.client.clone(),
-        Shape::new([n]),
         like.device.clone(),
-        InputScalar::new(value, DType::F32),
+        Shape::new([n]),
+        value,
         DType::F32,
     )
 }
@@ -220,12 +219,11 @@ where
         Some(acc) if all => B::float_add(acc, part),
         acc => {
             let acc = acc.unwrap_or_else(|| {
-                let zero = InputScalar::new(0.0f32, part.dtype);
-                full_device_dtype(
+                contiguous_full(
                     part.client.clone(),
-                    Shape::new([n, hidden]),
                     part.device.clone(),
-                    zero,
+                    Shape::new([n, hidden]),
+                    0.0,
                     part.dtype,
                 )
             });

@@ -25,10 +25,11 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 use burn::tensor::ops::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape};
-use burn_cubecl::ops::numeric::{empty_device_dtype, full_device_dtype};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, full_device_dtype};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use cubecl::prelude::InputScalar;
+use cubecl::prelude::{ComputeClient, InputScalar};
 
 use crate::FusedOps;
 
@@ -123,7 +124,14 @@ pub fn set_poison_outputs(on: bool) {
     POISON_OUTPUTS.store(on, Ordering::SeqCst);
 }
 
-/// A contiguous output buffer, NaN-filled when [`set_poison_outputs`] is on.
+/// A compact contiguous output buffer (row-major, no padding), NaN-filled when
+/// [`set_poison_outputs`] is on.
+///
+/// The kernels index their outputs as `[.., rows, cols]` with row stride `cols`, so the
+/// buffer must be laid out that way. Burn's `empty_device_dtype` and `full_device_dtype` do
+/// not promise it: on CUDA they pad each row to 256 bytes (a `[2, 2, 33]` f32 tensor gets
+/// strides `[128, 64, 1]`), which lavapipe never does, so a kernel writing row-major there
+/// leaves what Burn later reads as other rows unwritten.
 pub(crate) fn output<R: CubeRuntime>(
     like: &CubeTensor<R>,
     shape: Shape,
@@ -131,16 +139,28 @@ pub(crate) fn output<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let (client, device) = (like.client.clone(), like.device.clone());
     if POISON_OUTPUTS.load(Ordering::SeqCst) {
-        full_device_dtype(
-            client,
-            shape,
-            device,
-            InputScalar::new(f32::NAN, dtype),
-            dtype,
-        )
+        contiguous_full(client, device, shape, f32::NAN, dtype)
     } else {
-        empty_device_dtype(client, device, shape, dtype)
+        empty_device_contiguous_dtype(client, device, shape, dtype)
     }
+}
+
+/// A compact contiguous tensor filled with `value` (see [`output`] for why the layout
+/// matters): Burn's fill, copied into a compact buffer when Burn padded its rows.
+pub(crate) fn contiguous_full<R: CubeRuntime>(
+    client: ComputeClient<R>,
+    device: R::Device,
+    shape: Shape,
+    value: f32,
+    dtype: DType,
+) -> CubeTensor<R> {
+    into_contiguous(full_device_dtype(
+        client,
+        shape,
+        device,
+        InputScalar::new(value, dtype),
+        dtype,
+    ))
 }
 
 impl<R, F, I, BT> FusedOps for CubeBackend<R, F, I, BT>

@@ -151,9 +151,34 @@ pub fn check_attention_dtype<B: FusedOps>(
         cubecl_kernels::flash_attention(qt.clone(), kt.clone(), vt.clone(), mask, c.causal)
             .expect("valid shapes");
     assert_eq!(out.dtype(), dtype, "{label}: output dtype");
+    // The forward's outputs are checked before the backward runs and again after it, so a
+    // failure says which pass left them wrong (the backward reads both, and must not write
+    // over them).
+    assert_close(
+        &format!("{label}: out"),
+        &to_vec(out.clone()),
+        &want.out,
+        tol,
+    );
+    assert_close(
+        &format!("{label}: lse"),
+        &to_vec(lse.clone()),
+        &want.lse,
+        tol,
+    );
     let grads = (out.clone() * t4(&g, c.sq)).sum().backward();
-    assert_close(&format!("{label}: out"), &to_vec(out), &want.out, tol);
-    assert_close(&format!("{label}: lse"), &to_vec(lse), &want.lse, tol);
+    assert_close(
+        &format!("{label}: out after the backward"),
+        &to_vec(out),
+        &want.out,
+        tol,
+    );
+    assert_close(
+        &format!("{label}: lse after the backward"),
+        &to_vec(lse),
+        &want.lse,
+        tol,
+    );
     assert_close(
         &format!("{label}: dq"),
         &to_vec(qt.grad(&grads).expect("dq")),
