@@ -156,7 +156,7 @@ pub fn flatten_grads<B: AutodiffBackend, M: Module<B>>(
     if visitor.parts.is_empty() {
         // No parameters: an empty buffer on the module's device (the inner backend shares it).
         let device = module.devices().into_iter().next().unwrap_or_default();
-        return Tensor::zeros([0], &device);
+        return super::params::no_elements(&device);
     }
     Tensor::cat(visitor.parts, 0)
 }

@@ -52,6 +52,14 @@ pub fn flatten_params<B: Backend, M: Module<B>>(module: &M) -> Tensor<B, 1> {
     concat_or_empty(visitor.parts, module)
 }
 
+/// A tensor with no elements on `device`, made without launching a kernel. Burn's `zeros`
+/// launches a fill over zero elements, which CubeCL 0.10 turns into a grid of zero blocks that
+/// CUDA refuses (`CUDA_ERROR_INVALID_VALUE`; it stopped ZeRO-3 training on an H200, where
+/// every released parameter is such a tensor). CPU and Vulkan backends accept either.
+pub(crate) fn no_elements<B: Backend, const D: usize>(device: &B::Device) -> Tensor<B, D> {
+    Tensor::empty([0; D], device)
+}
+
 /// Concatenates flat parts; an empty list gives an empty tensor on the module's device.
 pub(crate) fn concat_or_empty<B: Backend, M: Module<B>, const D: usize>(
     parts: Vec<Tensor<B, D>>,
@@ -59,7 +67,7 @@ pub(crate) fn concat_or_empty<B: Backend, M: Module<B>, const D: usize>(
 ) -> Tensor<B, D> {
     if parts.is_empty() {
         let device = module.devices().into_iter().next().unwrap_or_default();
-        Tensor::zeros([0; D], &device)
+        no_elements(&device)
     } else {
         Tensor::cat(parts, 0)
     }
@@ -98,8 +106,7 @@ pub fn release_params<B: Backend, M: Module<B>>(module: M) -> M {
     impl<B: Backend> ModuleMapper<B> for Release {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, old, mapper) = param.consume();
-            let empty = Tensor::<B, D>::zeros([0; D], &old.device())
-                .set_require_grad(old.is_require_grad());
+            let empty = no_elements::<B, D>(&old.device()).set_require_grad(old.is_require_grad());
             Param::from_mapped_value(id, empty, mapper)
         }
     }
