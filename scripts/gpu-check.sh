@@ -74,8 +74,20 @@ step "kernel correctness on CUDA (fresh random inputs, NaN-poisoned outputs, flo
 # A failing step is recorded and the next one still runs: on a machine lent for minutes, one
 # failure must not cost the figures of the steps after it. The exit status says it at the end.
 failures=()
-timeout "${CORRECTNESS_S:-150}" "$OUT/cuda_kernels" --test-threads=1 --include-ignored \
-    || failures+=("kernel correctness tests (exit status $?; 124 = out of time)")
+# One process per test: a kernel fault leaves CUDA's context unusable ("the server is in an
+# invalid state"), and in a shared process every later test would fail with it.
+tests=$("$OUT/cuda_kernels" --list --include-ignored 2>/dev/null | sed -n 's/: test$//p')
+[[ -n "$tests" ]] || failures+=("the kernel test binary lists no tests")
+SECONDS=0
+for test in $tests; do
+    left=$(( ${CORRECTNESS_S:-150} - SECONDS ))
+    if ((left <= 0)); then
+        failures+=("kernel test $test: not run, the correctness budget (CORRECTNESS_S) is spent")
+        continue
+    fi
+    timeout "$left" "$OUT/cuda_kernels" "$test" --exact --include-ignored \
+        || failures+=("kernel test $test (exit status $?; 124 = out of time)")
+done
 
 step "fused kernels against Burn's CUDA path (bf16; cross-entropy f32), time and measured peak memory"
 rm -f "$OUT/kernels.json"
