@@ -40,9 +40,13 @@ fn gpus() -> usize {
     n
 }
 
-/// Runs all-reduce (sum, mean), reduce-scatter, all-gather and broadcast over `group` on a
-/// world with rank `r` on GPU `gpu_of(r)`, checks `group` is on NCCL exactly when
-/// `expect_nccl`, and compares every result with the host computation.
+/// A 2-D shape whose rows (132 bytes in f32) Burn pads on CUDA.
+const ROWS: [usize; 2] = [3, 33];
+
+/// Runs all-reduce (sum, mean), reduce-scatter, all-gather and broadcast (and all-reduce and
+/// broadcast of a [`ROWS`] tensor) over `group` on a world with rank `r` on GPU `gpu_of(r)`,
+/// checks `group` is on NCCL exactly when `expect_nccl`, and compares every result with the
+/// host computation.
 fn check_group(grid: RankGrid, gpu_of: impl Fn(usize) -> usize, group: Group, expect_nccl: bool) {
     let size = grid.group_size(group);
     // Divisible by the group size, for the reduce-scatter.
@@ -60,13 +64,20 @@ fn check_group(grid: RankGrid, gpu_of: impl Fn(usize) -> usize, group: Group, ex
             Tensor::<B, 1>::from_data(TensorData::new(v, [n]), &device)
         };
         let read = |x: Tensor<B, 1>| x.into_data().to_vec::<f32>().expect("f32");
+        // Rows of 33 f32 (132 bytes), which Burn's default CUDA allocation pads to 256: an
+        // output buffer that is not compact reads back wrong here.
+        let t2 = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, ROWS), &device);
+        let read2 = |x: Tensor<B, 2>| x.into_data().to_vec::<f32>().expect("f32");
         let mine = contribution(comm.rank(), len);
+        let mine2 = contribution(comm.rank(), ROWS[0] * ROWS[1]);
         let out = vec![
             read(comm.all_reduce(group, t(mine.clone()), ReduceOp::Sum)?),
             read(comm.all_reduce(group, t(mine.clone()), ReduceOp::Mean)?),
             read(comm.reduce_scatter(group, t(mine.clone()), ReduceOp::Sum)?),
             read(comm.all_gather(group, t(mine[..4].to_vec()))?),
             read(comm.broadcast(group, size - 1, t(mine))?),
+            read2(comm.all_reduce(group, t2(mine2.clone()), ReduceOp::Sum)?),
+            read2(comm.broadcast(group, size - 1, t2(mine2))?),
         ];
         comm.barrier(group)?;
         Ok::<_, CommError>(out)
@@ -90,6 +101,15 @@ fn check_group(grid: RankGrid, gpu_of: impl Fn(usize) -> usize, group: Group, ex
         );
         close(&what("all-gather"), &got[3], &gathered);
         close(&what("broadcast"), &got[4], &parts[size - 1]);
+        let parts2: Vec<Vec<f32>> = members
+            .iter()
+            .map(|&m| contribution(m, ROWS[0] * ROWS[1]))
+            .collect();
+        let sum2: Vec<f32> = (0..ROWS[0] * ROWS[1])
+            .map(|i| parts2.iter().map(|p| p[i]).sum())
+            .collect();
+        close(&what("all-reduce sum of [3, 33]"), &got[5], &sum2);
+        close(&what("broadcast of [3, 33]"), &got[6], &parts2[size - 1]);
     }
 }
 
@@ -127,7 +147,9 @@ fn pipeline_transfers_between_gpus_arrive_intact() {
     let devices = (0..pp).map(|r| CudaDevice::new(r % gpus)).collect();
     let config = CommConfig::with_timeout(Duration::from_secs(120));
     let comms = NcclComm::<f32, i32, u8>::create(grid, devices, config).expect("NCCL world");
-    let len = 1000;
+    // Rows of 33 f32 (132 bytes), which Burn pads on CUDA: a copy into a padded buffer
+    // would arrive scrambled.
+    let len = 330;
     let results = run_ranks(comms, |comm| {
         let device = comm.device().clone();
         let next = (comm.rank() + 1) % pp;

@@ -11,7 +11,7 @@
 
 use burn::backend::cuda::CudaDevice;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl::Runtime;
@@ -24,7 +24,9 @@ pub(crate) fn move_to_device(
 ) -> Result<CubeTensor<CudaRuntime>, String> {
     let src = into_contiguous(tensor);
     let bytes = src.meta.shape().num_elements() * src.dtype.size();
-    let out = empty_device_dtype(
+    // Compact like the source (Burn's default allocation pads rows on CUDA): the copy is
+    // `bytes` back to back.
+    let out = empty_device_contiguous_dtype(
         CudaRuntime::client(device),
         device.clone(),
         src.meta.shape().clone(),

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::DType;
 use burn::tensor::Shape;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cudarc::driver::{result as cu, sys as cusys};
@@ -281,7 +281,9 @@ impl NcclMember {
         if let Some(first) = dims.first_mut() {
             *first = first_dim(*first);
         }
-        let output = empty_device_dtype(
+        // Compact, not Burn's default allocation: on CUDA that pads rows to 256 bytes, and
+        // NCCL writes `output_len` elements back to back.
+        let output = empty_device_contiguous_dtype(
             input.client.clone(),
             input.device.clone(),
             Shape::from(dims),
