@@ -35,8 +35,9 @@ pub(crate) fn visible(
     }
     if has_mask {
         let jj = if j < seq_k { j } else { seq_k - 1 };
-        // Not `ok && mask[..]`: CubeCL evaluates both operands of `&&`, so the kernels keep
-        // indexing out of it (`tests/kernel_source_rules.rs`); the read is in bounds anyway.
+        // Not `ok && mask[..]`: CubeCL evaluates both operands of `&&`, so kernel code keeps
+        // indexing out of it (the workspace's `tests/cuda_source_rules.rs`); this read is in
+        // bounds anyway.
         if mask[batch * seq_k + jj] >= 0.5f32 {
             ok = false;
         }
