@@ -290,12 +290,25 @@ mod bench {
         let fwd_bwd_scalar = time_ms(device, reps, || fwd_bwd(inputs, true));
         set_attention_kernel(AttentionKernel::Auto);
         let fwd_default = time_ms(device, reps, forward);
+        // Burn's own attention op outside autodiff: its fused forward kernel (cubek's flash
+        // attention), the fastest forward Burn 0.21 has. It returns no log-sum-exp, so it
+        // cannot serve training; it is the yardstick for our forward on the same device.
+        let options = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: true,
+        };
+        let [qi, ki, vi] = [q, k, v].map(|t| t.clone().inner());
+        let fwd_burn = time_ms(device, reps, || {
+            let _ = attention(qi.clone(), ki.clone(), vi.clone(), None, None, options);
+        });
         eprintln!(
-            "attention fwd: default {fwd_default:.3} ms, portable scalar {fwd_scalar:.3} ms; \
-             portable fwd+bwd {fwd_bwd_scalar:.3} ms"
+            "attention fwd: default {fwd_default:.3} ms, portable scalar {fwd_scalar:.3} ms, \
+             Burn's fused forward (no autodiff) {fwd_burn:.3} ms; portable fwd+bwd \
+             {fwd_bwd_scalar:.3} ms"
         );
         serde_json::json!({
-            "fwd": { "default": fwd_default, "scalar": fwd_scalar },
+            "fwd": { "default": fwd_default, "scalar": fwd_scalar, "burn": fwd_burn },
             "fwd_bwd": { "scalar": fwd_bwd_scalar },
         })
     }
