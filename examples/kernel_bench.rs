@@ -159,6 +159,13 @@ mod bench {
         }
     }
 
+    /// Burn's attention options for the benchmarks' causal attention (default scale).
+    const CAUSAL: AttentionModuleOptions = AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal: true,
+    };
+
     /// One op's inputs under autodiff, made before a memory measurement starts.
     enum OpInputs {
         /// q, k, v `[batch, heads, seq, head_dim]`, causal.
@@ -214,12 +221,7 @@ mod bench {
                         .expect("attention shapes")
                         .0
                 } else {
-                    let options = AttentionModuleOptions {
-                        scale: None,
-                        softcap: None,
-                        is_causal: true,
-                    };
-                    attention(q.clone(), k.clone(), v.clone(), None, None, options)
+                    attention(q.clone(), k.clone(), v.clone(), None, None, CAUSAL)
                 };
                 let grads = out.sum().backward();
                 let _ = (q.grad(&grads), k.grad(&grads), v.grad(&grads));
@@ -293,14 +295,9 @@ mod bench {
         // Burn's own attention op outside autodiff: its fused forward kernel (cubek's flash
         // attention), the fastest forward Burn 0.21 has. It returns no log-sum-exp, so it
         // cannot serve training; it is the yardstick for our forward on the same device.
-        let options = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: true,
-        };
         let [qi, ki, vi] = [q, k, v].map(|t| t.clone().inner());
         let fwd_burn = time_ms(device, reps, || {
-            let _ = attention(qi.clone(), ki.clone(), vi.clone(), None, None, options);
+            let _ = attention(qi.clone(), ki.clone(), vi.clone(), None, None, CAUSAL);
         });
         eprintln!(
             "attention fwd: default {fwd_default:.3} ms, portable scalar {fwd_scalar:.3} ms, \
