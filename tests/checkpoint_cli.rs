@@ -16,31 +16,15 @@ use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde_json::Value;
 
 mod common;
-use common::TINY;
+use common::{fresh_dir, json_of, losses, norm, rel, P2_V2_D2_ZERO3, TINY};
 
 type B = Autodiff<Flex>;
 
 /// Every run's communication timeout: short, so a hang fails the test quickly.
 const COMM_TIMEOUT: &[&str] = &["--comm-timeout", "20"];
 
-const SAVED_LAYOUT: &[&str] = &[
-    "--pp",
-    "2",
-    "--loops",
-    "2",
-    "--dp",
-    "2",
-    "--zero",
-    "3",
-    "--microbatches",
-    "2",
-];
-
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bfpp-ckpt-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir is writable");
-    dir
+    fresh_dir("ckpt-cli", name)
 }
 
 fn bfpp(args: &[&str]) -> Output {
@@ -70,34 +54,12 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-fn json_of(out: &Output) -> Value {
-    assert!(out.status.success(), "bfpp failed: {}", stderr(out));
-    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
-}
-
-fn losses(doc: &Value) -> Vec<f64> {
-    doc["losses"]
-        .as_array()
-        .expect("losses")
-        .iter()
-        .map(|l| l.as_f64().expect("number"))
-        .collect()
-}
-
-fn norm(doc: &Value) -> f64 {
-    doc["param_l2_norm"].as_f64().expect("param_l2_norm")
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    ((a - b) / b).abs()
-}
-
 #[test]
 fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
     let dir = temp_dir("resume");
     let run = dir.join("run");
     let run_s = run.to_str().expect("utf-8");
-    let mut first = SAVED_LAYOUT.to_vec();
+    let mut first = P2_V2_D2_ZERO3.to_vec();
     first.extend(["--steps", "4", "--save", run_s, "--save-every", "2"]);
     let full = json_of(&train(&dir, &first));
     let full_losses = losses(&full);
@@ -107,7 +69,7 @@ fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
 
     // Same layout from the step-2 directory: steps 3 and 4, as in the uninterrupted run.
     let step2_s = step2.to_str().expect("utf-8");
-    let mut same = SAVED_LAYOUT.to_vec();
+    let mut same = P2_V2_D2_ZERO3.to_vec();
     same.extend(["--steps", "4", "--resume", step2_s]);
     let resumed = json_of(&train(&dir, &same));
     let got = losses(&resumed);

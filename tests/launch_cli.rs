@@ -11,10 +11,8 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
 mod common;
-use common::TINY;
+use common::{fresh_dir, json_of, output_text, TINY};
 
 /// With the TINY model: P=2 V=2 D=2 ZeRO-3 breadth-first, three steps.
 const RUN: &[&str] = &[
@@ -33,15 +31,9 @@ const RUN: &[&str] = &[
     "--json",
 ];
 
-fn out_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bfpp-launch-cli-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir is writable");
-    dir
-}
-
 /// `bfpp [launch --via VIA --nproc N --] train RUN --out-dir DIR` with `env`.
 fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Output, PathBuf) {
-    let dir = out_dir(name);
+    let dir = fresh_dir("launch-cli", name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
     if let Some((via, n)) = launch {
         cmd.args(["launch", "--via", via, "--nproc", &n.to_string(), "--"]);
@@ -61,33 +53,11 @@ fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Out
     (cmd.output().expect("the bfpp binary runs"), dir)
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// Four processes started `via` report what the in-process run reports.
 fn four_processes_report_what_the_in_process_run_reports(via: &str) {
     let (launched, launched_dir) = bfpp(Some((via, 4)), via, &[]);
-    assert!(
-        launched.status.success(),
-        "bfpp launch failed:\n{}",
-        text(&launched)
-    );
     let (local, _) = bfpp(None, &format!("{via}-local"), &[]);
-    assert!(
-        local.status.success(),
-        "bfpp train failed:\n{}",
-        text(&local)
-    );
-    let doc = |o: &Output| -> Value {
-        serde_json::from_slice(&o.stdout)
-            .unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{}", text(o)))
-    };
-    let (m, l) = (doc(&launched), doc(&local));
+    let (m, l) = (json_of(&launched), json_of(&local));
     // Identical values print identically, so the text comparison is a bitwise one.
     for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
         assert_eq!(m[key].to_string(), l[key].to_string(), "{key} differs");
@@ -113,7 +83,7 @@ fn a_failing_rank_stops_the_launch_and_is_named(via: &str) {
         &[("BFPP_FAULT_INJECT", "rank=1,step=2")],
     );
     let took = start.elapsed();
-    let log = text(&out);
+    let log = output_text(&out);
     assert!(!out.status.success(), "the launch succeeded:\n{log}");
     assert!(
         log.contains("because rank 1 failed: injected fault on rank 1 at step 2"),
@@ -149,7 +119,7 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
     let port = burn_bfpp::comm::free_local_port()
         .expect("a free port")
         .to_string();
-    let dir = out_dir("two-nodes");
+    let dir = fresh_dir("launch-cli", "two-nodes");
     // Two `bfpp launch` of two processes each, as on two machines: node 0 serves the store.
     let node = |rank: &str| {
         Command::new(env!("CARGO_BIN_EXE_bfpp"))
@@ -171,29 +141,24 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
         first.wait_with_output().expect("node 0 ends"),
         second.wait_with_output().expect("node 1 ends"),
     );
-    assert!(first.status.success(), "node 0:\n{}", text(&first));
-    assert!(second.status.success(), "node 1:\n{}", text(&second));
+    assert!(second.status.success(), "node 1:\n{}", output_text(&second));
     let (local, _) = bfpp(None, "two-nodes-local", &[]);
-    let doc = |o: &Output| -> Value {
-        serde_json::from_slice(&o.stdout)
-            .unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{}", text(o)))
-    };
     // World rank 0 runs on node 0 and reports; node 1's ranks print nothing.
-    let (n, l) = (doc(&first), doc(&local));
+    let (n, l) = (json_of(&first), json_of(&local));
     for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
         assert_eq!(n[key].to_string(), l[key].to_string(), "{key} differs");
     }
     assert!(
         second.stdout.is_empty(),
         "node 1 printed:\n{}",
-        text(&second)
+        output_text(&second)
     );
 }
 
 #[test]
 fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
     let port = burn_bfpp::comm::free_local_port().expect("a free port");
-    let dir = out_dir("killed");
+    let dir = fresh_dir("launch-cli", "killed");
     // Rank 1 stalls at step 2 (as a hung or swapping process would), and is then killed.
     let mut ranks: Vec<_> = (0..4)
         .map(|rank| {
@@ -220,7 +185,7 @@ fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
         .collect();
     let took = start.elapsed();
     for (rank, out) in outputs.iter().enumerate().filter(|(r, _)| *r != 1) {
-        let log = text(out);
+        let log = output_text(out);
         assert!(!out.status.success(), "rank {rank} succeeded:\n{log}");
         assert!(
             log.contains("rank 1 has exited"),
@@ -243,7 +208,7 @@ fn comm_tcp_without_a_launcher_says_how_to_start_the_processes() {
         .env_remove("SLURM_PROCID")
         .output()
         .expect("the bfpp binary runs");
-    let log = text(&out);
+    let log = output_text(&out);
     assert!(!out.status.success(), "it ran:\n{log}");
     assert!(
         log.contains("needs the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or")

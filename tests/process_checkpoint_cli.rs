@@ -14,21 +14,8 @@ use burn_bfpp::checkpoint::{list_checkpoints, load};
 use serde_json::Value;
 
 mod common;
-use common::TINY;
+use common::{fresh_dir, json_of, losses, norm, output_text, rel, P2_V2_D2_ZERO3, TINY};
 
-/// The multi-process layout: P=2 V=2 D=2 ZeRO-3, four processes.
-const PROCESS_LAYOUT: &[&str] = &[
-    "--pp",
-    "2",
-    "--loops",
-    "2",
-    "--dp",
-    "2",
-    "--zero",
-    "3",
-    "--microbatches",
-    "2",
-];
 /// Another layout, run in one process: P=4 V=1 D=1 ZeRO-1.
 const OTHER_LAYOUT: &[&str] = &[
     "--pp",
@@ -44,10 +31,7 @@ const OTHER_LAYOUT: &[&str] = &[
 ];
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bfpp-process-ckpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir is writable");
-    dir
+    fresh_dir("process-ckpt", name)
 }
 
 /// `bfpp [launch --via VIA --nproc 4 --] train --json TINY args`, with its own output
@@ -68,37 +52,6 @@ fn train(via: Option<&str>, out: &Path, args: &[&str]) -> Output {
         cmd.args(["--comm", "local"]);
     }
     cmd.output().expect("the bfpp binary runs")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(out.status.success(), "bfpp failed:\n{}", text(out));
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{}", text(out)))
-}
-
-fn losses(doc: &Value) -> Vec<f64> {
-    doc["losses"]
-        .as_array()
-        .expect("losses")
-        .iter()
-        .map(|l| l.as_f64().expect("number"))
-        .collect()
-}
-
-fn norm(doc: &Value) -> f64 {
-    doc["param_l2_norm"].as_f64().expect("param_l2_norm")
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    ((a - b) / b).abs()
 }
 
 /// Steps 3 and 4 of `resumed` and its final norm against the uninterrupted `full` run.
@@ -129,7 +82,7 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts(via
     let full = json_of(&train(
         None,
         &dir.join("full"),
-        &with(PROCESS_LAYOUT, &["--steps", "4"]),
+        &with(P2_V2_D2_ZERO3, &["--steps", "4"]),
     ));
 
     // Four processes save after every step, keeping one: rank 0 prunes step 1 after step 2.
@@ -137,7 +90,7 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts(via
         Some(via),
         &dir.join("process-save"),
         &with(
-            PROCESS_LAYOUT,
+            P2_V2_D2_ZERO3,
             &[
                 "--steps",
                 "2",
@@ -171,7 +124,7 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts(via
     let resumed = json_of(&train(
         Some(via),
         &dir.join("process-resume"),
-        &with(PROCESS_LAYOUT, &["--steps", "4", "--resume", &process_run]),
+        &with(P2_V2_D2_ZERO3, &["--steps", "4", "--resume", &process_run]),
     ));
     assert_continues("multi-process resume", &resumed, &full, 1e-6);
 
@@ -197,7 +150,7 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts(via
     let back = json_of(&train(
         Some(via),
         &dir.join("process-resume-local"),
-        &with(PROCESS_LAYOUT, &["--steps", "4", "--resume", &local_run]),
+        &with(P2_V2_D2_ZERO3, &["--steps", "4", "--resume", &local_run]),
     ));
     assert_continues(
         "multi-process resume of an in-process checkpoint",
@@ -221,11 +174,11 @@ fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays(via: &st
         Some(via),
         &dir.join("out"),
         &with(
-            PROCESS_LAYOUT,
+            P2_V2_D2_ZERO3,
             &["--steps", "3", "--save", run_s, "--save-every", "1"],
         ),
     );
-    let log = text(&out);
+    let log = output_text(&out);
     assert!(!out.status.success(), "the run succeeded:\n{log}");
     assert!(
         log.contains("rank 3 failed to write its part of the step-2 checkpoint")

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::TINY;
+use common::{json_of, losses, TINY};
 
 /// A folder under the temporary directory, unique to this test process and `name`.
 fn temp_dir(name: &str) -> PathBuf {
@@ -50,21 +50,6 @@ fn train_model(name: &str, model: &[&str], args: &[&str], env: &[(&str, &str)]) 
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// The `--json` object of a successful run.
-fn json_of(out: &Output) -> Value {
-    assert!(out.status.success(), "bfpp train failed: {}", stderr(out));
-    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
-}
-
-fn losses(doc: &Value) -> Vec<f64> {
-    doc["losses"]
-        .as_array()
-        .expect("losses is an array")
-        .iter()
-        .map(|l| l.as_f64().expect("a loss is a number"))
-        .collect()
 }
 
 /// Asserts a quick, clean failure whose standard error names every `needle`.
