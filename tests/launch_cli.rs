@@ -12,6 +12,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
+use common::bounded::{output_within, outputs_within, LAUNCH_DEADLINE};
 use common::{fresh_dir, json_of, output_text, TINY};
 
 /// With the TINY model: P=2 V=2 D=2 ZeRO-3 breadth-first, three steps.
@@ -50,7 +51,7 @@ fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Out
     for (k, v) in env {
         cmd.env(k, v);
     }
-    (cmd.output().expect("the bfpp binary runs"), dir)
+    (output_within(cmd, LAUNCH_DEADLINE), dir)
 }
 
 /// Four processes started `via` report what the in-process run reports.
@@ -122,25 +123,19 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
     let dir = fresh_dir("launch-cli", "two-nodes");
     // Two `bfpp launch` of two processes each, as on two machines: node 0 serves the store.
     let node = |rank: &str| {
-        Command::new(env!("CARGO_BIN_EXE_bfpp"))
-            .args(["launch", "--via", "tcp", "--nproc", "2", "--nnodes", "2"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+        cmd.args(["launch", "--via", "tcp", "--nproc", "2", "--nnodes", "2"])
             .args(["--node-rank", rank, "--master-addr", "127.0.0.1"])
             .args(["--master-port", &port, "--", "train"])
             .args(TINY)
             .args(RUN)
             .arg("--out-dir")
             .arg(&dir)
-            .env_remove("BFPP_FAULT_INJECT")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("the bfpp binary runs")
+            .env_remove("BFPP_FAULT_INJECT");
+        cmd
     };
-    let (first, second) = (node("0"), node("1"));
-    let (first, second) = (
-        first.wait_with_output().expect("node 0 ends"),
-        second.wait_with_output().expect("node 1 ends"),
-    );
+    let mut nodes = outputs_within(vec![node("0"), node("1")], LAUNCH_DEADLINE);
+    let (first, second) = (nodes.remove(0), nodes.remove(0));
     assert!(second.status.success(), "node 1:\n{}", output_text(&second));
     let (local, _) = bfpp(None, "two-nodes-local", &[]);
     // World rank 0 runs on node 0 and reports; node 1's ranks print nothing.
@@ -215,4 +210,41 @@ fn comm_tcp_without_a_launcher_says_how_to_start_the_processes() {
             && log.contains("bfpp launch --nproc 4 -- train"),
         "{log}"
     );
+}
+
+#[test]
+fn a_hung_launch_is_killed_at_its_deadline_with_what_it_printed() {
+    let dir = fresh_dir("launch-cli", "hung");
+    let pid_file = dir.join("background.pid");
+    // A launcher that leaves a process of its own behind and never ends, as a hung mpirun.
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg("sleep 600 & echo $! > \"$1\"; echo started; wait")
+        .arg("hung")
+        .arg(&pid_file);
+    let start = Instant::now();
+    let failure = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        output_within(cmd, Duration::from_secs(1))
+    }))
+    .expect_err("a launch past its deadline fails");
+    let message = failure
+        .downcast_ref::<String>()
+        .expect("the failure is a message");
+    assert!(
+        message.contains("started") && message.contains("which hung"),
+        "{message}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+    // The process it left behind went with it (gone, or a zombie nobody has reaped).
+    let pid = std::fs::read_to_string(&pid_file).expect("the launcher wrote its child's pid");
+    let state = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).unwrap_or_default();
+    let alive = state
+        .rsplit(") ")
+        .next()
+        .is_some_and(|rest| !rest.is_empty() && !rest.starts_with('Z'));
+    assert!(!alive, "the launcher's child survived: {state}");
 }

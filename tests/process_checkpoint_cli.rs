@@ -14,6 +14,7 @@ use burn_bfpp::checkpoint::{list_checkpoints, load};
 use serde_json::Value;
 
 mod common;
+use common::bounded::{output_within, LAUNCH_DEADLINE};
 use common::{fresh_dir, json_of, losses, norm, output_text, rel, P2_V2_D2_ZERO3, TINY};
 
 /// Another layout, run in one process: P=4 V=1 D=1 ZeRO-1.
@@ -51,7 +52,7 @@ fn train(via: Option<&str>, out: &Path, args: &[&str]) -> Output {
     if via.is_none() {
         cmd.args(["--comm", "local"]);
     }
-    cmd.output().expect("the bfpp binary runs")
+    output_within(cmd, LAUNCH_DEADLINE)
 }
 
 /// Steps 3 and 4 of `resumed` and its final norm against the uninterrupted `full` run.

@@ -13,6 +13,9 @@
 //! the ignored test [`bubble_rank_process`]; rank 0 writes the figures to a file.
 #![cfg(feature = "mpi")]
 
+mod common;
+use common::bounded::{output_within, LAUNCH_DEADLINE};
+
 use std::process::Command;
 use std::time::Duration;
 
@@ -145,28 +148,25 @@ fn bubble_rank_process() {
 fn the_measured_bubble_is_the_simulators_within_ten_percent() {
     let out = std::env::temp_dir().join(format!("bfpp-bubble-{}.txt", std::process::id()));
     let exe = std::env::current_exe().expect("test binary path");
-    let run = Command::new("mpirun")
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            "2",
-            "-x",
-            OUT_ENV,
-            "-x",
-            "RAYON_NUM_THREADS",
-        ])
-        .env(OUT_ENV, &out)
-        .env("RAYON_NUM_THREADS", "1")
-        .arg(exe)
-        .args(["--exact", "bubble_rank_process", "--ignored", "--nocapture"])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run mpirun ({e}); apt-get install openmpi-bin libopenmpi-dev")
-        });
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        "-x",
+        OUT_ENV,
+        "-x",
+        "RAYON_NUM_THREADS",
+    ])
+    .env(OUT_ENV, &out)
+    .env("RAYON_NUM_THREADS", "1")
+    .arg(exe)
+    .args(["--exact", "bubble_rank_process", "--ignored", "--nocapture"]);
+    let run = output_within(cmd, LAUNCH_DEADLINE);
     assert!(
         run.status.success(),
-        "mpirun failed:\n{}{}",
+        "{}{}\n^ mpirun failed",
         String::from_utf8_lossy(&run.stdout),
         String::from_utf8_lossy(&run.stderr)
     );

@@ -23,6 +23,7 @@ use burn_bfpp::comm::{
 };
 use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
+use common::bounded::{output_within, outputs_within, LAUNCH_DEADLINE};
 use common::*;
 
 /// The layouts run by the rank processes, in this order in every process.
@@ -180,50 +181,43 @@ fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String)
             String::from_utf8_lossy(&o.stderr)
         )
     };
-    match launcher {
+    let outputs = match launcher {
         Launcher::Tcp => {
             let port = free_local_port().expect("a free local port");
-            let children: Vec<_> = (0..np)
+            let ranks = (0..np)
                 .map(|rank| {
                     let mut cmd = Command::new(&exe);
                     cmd.args(RANK_PROCESS)
                         .envs(env.iter().copied())
-                        .envs(RendezvousEnv::on_this_machine(rank, np, port).vars())
-                        .stdout(std::process::Stdio::piped())
-                        .stderr(std::process::Stdio::piped());
-                    cmd.spawn().expect("a rank process starts")
+                        .envs(RendezvousEnv::on_this_machine(rank, np, port).vars());
+                    cmd
                 })
                 .collect();
-            let outputs: Vec<Output> = children
-                .into_iter()
-                .map(|c| c.wait_with_output().expect("a rank process ends"))
-                .collect();
-            (
-                outputs.iter().all(|o| o.status.success()),
-                outputs.iter().map(text).collect(),
-            )
+            outputs_within(ranks, LAUNCH_DEADLINE)
         }
         #[cfg(feature = "mpi")]
         Launcher::Mpirun => {
             let mut cmd = Command::new("mpirun");
-            cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
-                .arg(np.to_string());
+            // Unbound, as the in-process run is: the ranks share the cores with each other.
+            cmd.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                "-np",
+            ])
+            .arg(np.to_string());
             for (k, v) in env {
                 cmd.env(k, v).arg("-x").arg(k);
             }
-            let output = cmd
-                .arg(&exe)
-                .args(RANK_PROCESS)
-                .output()
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "cannot run mpirun ({e}); install OpenMPI: apt-get install openmpi-bin \
-                     libopenmpi-dev"
-                    )
-                });
-            (output.status.success(), text(&output))
+            cmd.arg(&exe).args(RANK_PROCESS);
+            vec![output_within(cmd, LAUNCH_DEADLINE)]
         }
-    }
+    };
+    (
+        outputs.iter().all(|o| o.status.success()),
+        outputs.iter().map(text).collect(),
+    )
 }
 
 fn out_file(name: &str) -> PathBuf {
@@ -260,7 +254,7 @@ fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Laun
         4,
         &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))],
     );
-    assert!(ok, "the {name} launch failed:\n{log}");
+    assert!(ok, "{log}\n^ the {name} launch failed");
     let lines = read_results(&out);
     let _ = std::fs::remove_file(&out);
     assert_eq!(lines.len(), CASES.len(), "one result per case:\n{log}");

@@ -8,8 +8,10 @@
 //!   connection end); any still running after a grace period are killed.
 //! * `mpirun` (the default in builds with the `mpi` feature): OpenMPI's `mpirun` starts and
 //!   wires them; as root it needs `--allow-run-as-root`, and more ranks than cores need
-//!   `--oversubscribe`, both of which are added. `mpirun` stops the other ranks when one exits
-//!   non-zero.
+//!   `--oversubscribe`, both of which are added, and `--bind-to none` keeps OpenMPI from pinning
+//!   each rank to one core (its default for two ranks or fewer), which would starve a CPU rank's
+//!   compute threads; the `tcp` ranks are not pinned either. `mpirun` stops the other ranks when
+//!   one exits non-zero.
 //!
 //! Either way the exit status is the first failure, and each rank's own error names the rank
 //! that failed first.
@@ -146,7 +148,7 @@ pub fn mpirun_command(launcher: &Path, exe: &Path, args: &LaunchArgs) -> Command
     if is_root() {
         cmd.arg("--allow-run-as-root");
     }
-    cmd.arg("--oversubscribe")
+    cmd.args(["--oversubscribe", "--bind-to", "none"])
         .arg("-np")
         .arg(args.nproc.to_string())
         .arg(exe)
@@ -326,6 +328,8 @@ mod tests {
             argv,
             [
                 "--oversubscribe",
+                "--bind-to",
+                "none",
                 "-np",
                 "4",
                 "/x/bfpp",

@@ -1,6 +1,8 @@
 //! What the CLI integration tests share (each test file is a crate of its own).
 #![allow(dead_code)]
 
+pub mod bounded;
+
 use std::path::PathBuf;
 use std::process::Output;
 
@@ -58,7 +60,8 @@ pub fn output_text(out: &Output) -> String {
 
 /// The `--json` object of a successful run.
 pub fn json_of(out: &Output) -> Value {
-    assert!(out.status.success(), "bfpp failed:\n{}", output_text(out));
+    // The log comes first: a test's failure message is read from its end.
+    assert!(out.status.success(), "{}\n^ bfpp failed", output_text(out));
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{}", output_text(out)))
 }

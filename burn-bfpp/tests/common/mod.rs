@@ -4,6 +4,11 @@
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]
 
+/// Launches of rank processes that run one at a time and cannot hang (shared with the root
+/// crate's CLI tests).
+#[path = "../../../tests/common/bounded.rs"]
+pub mod bounded;
+
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
