@@ -22,6 +22,7 @@ use super::cross_entropy::{
     ce_chunk_grad_kernel, ce_chunk_stats_kernel, ce_finish_kernel, ce_valid_kernel,
 };
 use super::flash_fwd::HIDDEN;
+use super::matmul::matmul;
 use super::{contiguous_full, output};
 
 /// Vocabulary columns per chunk by default. At 8192 tokens a chunk is 32 MiB in f32 (16 MiB
@@ -125,7 +126,7 @@ where
         let h_rows = piece::<B, R>(h, r.clone(), 0..hidden);
         for c in blocks(vocab, vocab_chunk) {
             let w_cols = piece::<B, R>(w, 0..hidden, c.clone());
-            let logits = into_contiguous(B::float_matmul(h_rows.clone(), w_cols));
+            let logits = into_contiguous(matmul::<B, R>(h_rows.clone(), w_cols));
             ce_chunk_stats_kernel::launch::<R>(
                 &client,
                 CubeCount::Static(r.len() as u32, 1, 1),
@@ -285,7 +286,7 @@ where
         for rr in blocks(n, row_block) {
             let h_rows = piece::<B, R>(&h, rr.clone(), 0..hidden);
             // The recomputed logits piece, overwritten with its gradient.
-            let g = into_contiguous(B::float_matmul(h_rows.clone(), w_cols.clone()));
+            let g = into_contiguous(matmul::<B, R>(h_rows.clone(), w_cols.clone()));
             ce_chunk_grad_kernel::launch::<R>(
                 &client,
                 CubeCount::Static(
@@ -306,9 +307,9 @@ where
                 GRAD_ROW_THREADS,
                 dtype.into(),
             );
-            let dh_part = B::float_matmul(g.clone(), B::float_transpose(w_cols.clone()));
+            let dh_part = matmul::<B, R>(g.clone(), B::float_transpose(w_cols.clone()));
             dh = Some(add_rows::<B, R>(dh, n, rr, dh_part));
-            let dw_part = B::float_matmul(B::float_transpose(h_rows), g);
+            let dw_part = matmul::<B, R>(B::float_transpose(h_rows), g);
             dw_cols = Some(match dw_cols {
                 None => dw_part,
                 Some(acc) => B::float_add(acc, dw_part),

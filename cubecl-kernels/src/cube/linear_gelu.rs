@@ -7,6 +7,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
+use super::matmul::matmul;
 use super::mlp::{bias_gelu_dz_kernel, bias_gelu_fwd_kernel};
 use super::output;
 
@@ -23,10 +24,10 @@ fn launch_grid(n: usize, m: usize) -> (CubeCount, CubeDim) {
     )
 }
 
-/// `gelu(x·W + b)` on a CubeCL backend, in the inputs' float type: `x·W` through Burn's
-/// matmul (CubeCL's tiled, vectorised kernels, which may use tensor cores on CUDA), then bias and GELU in
-/// one pass. `z = x·W` lives only until that pass: nothing of `[tokens × d_out]` is kept
-/// for the backward, which recomputes it.
+/// `gelu(x·W + b)` on a CubeCL backend, in the inputs' float type: `x·W` through
+/// [`matmul`] (Burn's tensor-core matmul for f16/bf16, cubek's f32 routine for f32), then bias
+/// and GELU in one pass. `z = x·W` lives only until that pass: nothing of `[tokens × d_out]` is
+/// kept for the backward, which recomputes it.
 pub(crate) fn forward<B, R>(x: CubeTensor<R>, w: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R>
 where
     R: CubeRuntime,
@@ -36,7 +37,7 @@ where
     let m = w.shape().dims::<2>()[1];
     let dtype = x.dtype;
     // A fresh matmul output, owned here alone: the epilogue overwrites it with the result.
-    let out = into_contiguous(B::float_matmul(x, w));
+    let out = into_contiguous(matmul::<B, R>(x, w));
     let b = into_contiguous(b);
     let (count, dim) = launch_grid(n, m);
     bias_gelu_fwd_kernel::launch::<R>(
@@ -56,7 +57,7 @@ where
 
 /// `(dx, dW, db)` of `gelu(x·W + b)` for the output gradient `dy`.
 ///
-/// The pre-activation `z = x·W` is recomputed (Burn's matmul) rather than saved by the
+/// The pre-activation `z = x·W` is recomputed ([`matmul`]) rather than saved by the
 /// forward: saving it would keep an extra `[tokens × d_out]` tensor per MLP alive from the
 /// forward to the backward (with `d_out = 4·hidden`, as large as the block's largest
 /// activation, and a pipeline keeps many micro-batches in flight), while recomputing costs
@@ -84,7 +85,7 @@ where
         into_contiguous(B::float_cast(dy, FloatDType::from(dtype)))
     };
     // The recomputed `z`, overwritten with `dz` by the epilogue.
-    let dz = into_contiguous(B::float_matmul(x.clone(), w.clone()));
+    let dz = into_contiguous(matmul::<B, R>(x.clone(), w.clone()));
     let db_partial = output(&dz, Shape::new([n.div_ceil(TILE), m]), DType::F32);
     let (count, dim) = launch_grid(n, m);
     bias_gelu_dz_kernel::launch::<R>(
@@ -101,8 +102,8 @@ where
         ROW_THREADS,
         dtype.into(),
     );
-    let dx = B::float_matmul(dz.clone(), B::float_transpose(w));
-    let dw = B::float_matmul(B::float_transpose(x), dz);
+    let dx = matmul::<B, R>(dz.clone(), B::float_transpose(w));
+    let dw = matmul::<B, R>(B::float_transpose(x), dz);
     let db = B::float_reshape(B::float_sum_dim(db_partial, 0), Shape::new([m]));
     let db = B::float_cast(db, FloatDType::from(dtype));
     (dx, dw, db)

@@ -18,6 +18,7 @@ mod flash_fwd;
 mod flash_fwd_tiles;
 mod linear_ce;
 mod linear_gelu;
+mod matmul;
 mod mlp;
 mod tiles;
 
