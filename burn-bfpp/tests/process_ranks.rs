@@ -23,7 +23,7 @@ use burn_bfpp::comm::{
 };
 use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
-use common::bounded::{output_within, outputs_within, LAUNCH_DEADLINE};
+use common::bounded::{outputs_within, LAUNCH_DEADLINE};
 use common::*;
 
 /// The layouts run by the rank processes, in this order in every process.
@@ -211,7 +211,7 @@ fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String)
                 cmd.env(k, v).arg("-x").arg(k);
             }
             cmd.arg(&exe).args(RANK_PROCESS);
-            vec![output_within(cmd, LAUNCH_DEADLINE)]
+            vec![common::bounded::output_within(cmd, LAUNCH_DEADLINE)]
         }
     };
     (
