@@ -40,7 +40,8 @@ mod bench {
     use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::{activation, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
     use cubecl_kernels::cube::{
-        set_attention_kernel, tiled_launches, AttentionKernel, TiledLaunches,
+        set_attention_kernel, set_f32_matmul, tiled_launches, unit_matmul_launches,
+        AttentionKernel, F32Matmul, TiledLaunches,
     };
     use cubecl_kernels::{memory, reference};
 
@@ -527,7 +528,25 @@ mod bench {
         let (mlp_fused_fwd, mlp_burn_fwd) = mlp_forward_ms(&device, shapes, half);
         eprintln!("mlp fwd: fused {mlp_fused_fwd:.3} ms, Burn {mlp_burn_fwd:.3} ms");
         let mlp = time_op(Op::Mlp, shapes.reps);
+        let units_before = unit_matmul_launches();
         let ce = time_op(Op::Ce, shapes.reps.min(3));
+        let ce_default = if unit_matmul_launches() > units_before {
+            "unit"
+        } else {
+            "burn_matmul"
+        };
+        // The head is f32, and the default picks its f32 routine by device (the exact unit
+        // routine where Burn's matmul would round to TF32): both, timed on the same inputs.
+        let ce_inputs = op_inputs(Op::Ce, &device, shapes, half);
+        let mut ce_f32 = serde_json::json!({ "default": ce_default });
+        for (name, choice) in [("unit", F32Matmul::Unit), ("burn_matmul", F32Matmul::Burn)] {
+            set_f32_matmul(choice);
+            let ms = time_ms(&device, shapes.reps.min(3), || fwd_bwd(&ce_inputs, true));
+            eprintln!("ce fwd+bwd, fused, f32 products on {name}: {ms:.3} ms");
+            ce_f32[name] = ms.into();
+        }
+        set_f32_matmul(F32Matmul::Auto);
+        eprintln!("ce fwd+bwd: the default ran its f32 products on {ce_default}");
         let peak: serde_json::Map<String, serde_json::Value> = measure_all(&shape_args)
             .into_iter()
             .map(|(op, fused, burn)| {
@@ -548,6 +567,7 @@ mod bench {
             "mlp_fwd_ms": { "fused": mlp_fused_fwd, "burn": mlp_burn_fwd },
             "mlp_fwd_bwd_ms": mlp,
             "ce_fwd_bwd_ms": ce,
+            "ce_f32_matmul_ms": ce_f32,
             "peak_bytes": peak,
         });
         match value_of("--json") {

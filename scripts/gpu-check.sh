@@ -154,6 +154,13 @@ o = ours["mlp_fwd_bwd_ms"]
 print(f"| matmul+bias+GELU fwd+bwd | - | {o['burn']:.3f} | {o['fused']:.3f} | - | {o['burn'] / o['fused']:.2f}x | - |")
 o = ours["ce_fwd_bwd_ms"]
 print(f"| linear cross-entropy fwd+bwd | - | {o['burn']:.3f} | {o['fused']:.3f} | - | {o['burn'] / o['fused']:.2f}x | - |")
+# The same fused op with each f32 routine: exact f32 (unit) against Burn's TF32 matmul.
+f = ours.get("ce_f32_matmul_ms")
+if f:
+    for name in ("unit", "burn_matmul"):
+        print(f"| linear cross-entropy fwd+bwd, f32 products on {name}"
+              f"{' (the default)' if f['default'] == name else ''} | - | {o['burn']:.3f} | {f[name]:.3f} | - | "
+              f"{o['burn'] / f[name]:.2f}x | - |")
 print("\npeak memory over forward + backward (measured CubeCL pool growth, each path in its own process):")
 print("| op | Burn MiB | fused MiB | Burn / fused |")
 print("|---|---|---|---|")

@@ -3,7 +3,11 @@
 //! products are computed by the plane's lanes, and everything around them (staging, masking,
 //! the online softmax, the rescaling of the output block, the log-sum-exp, the recomputed
 //! probabilities and `dS`, the gradient accumulation) is checked against the float64 oracle.
-//! Its own test binary, because the kernel choice is process-wide and must not change what
+//! Also cubek's f32 unit matmul inside the fused MLP and cross-entropy, which the default
+//! runs only where Burn's matmul would round f32 to TF32 (CUDA): forced here, so its use by
+//! the fused ops is checked on the CPU.
+//!
+//! Its own test binary, because the kernel choices are process-wide and must not change what
 //! the other kernel tests run.
 #![cfg(feature = "wgpu")]
 
@@ -12,9 +16,13 @@ mod common;
 use burn::backend::wgpu::{Wgpu, WgpuRuntime};
 use burn::tensor::backend::Backend;
 use burn::tensor::DType;
-use common::{attn_case, check_attention_dtype, wgpu_cpu_device, Rng};
+use common::{
+    attn_case, check_attention_dtype, check_linear_ce, check_linear_gelu_dtype, wgpu_cpu_device,
+    Rng,
+};
 use cubecl_kernels::cube::{
-    attention_uses_tensor_cores, set_attention_kernel, tiled_launches, AttentionKernel,
+    attention_uses_tensor_cores, set_attention_kernel, set_f32_matmul, tiled_launches,
+    unit_matmul_launches, AttentionKernel, F32Matmul,
 };
 
 #[test]
@@ -71,4 +79,39 @@ fn tiled_attention_matches_f64_oracle() {
             );
         }
     }
+}
+
+#[test]
+fn f32_products_on_the_unit_routine_match_f64_oracle() {
+    let dev = wgpu_cpu_device();
+    let mut rng = Rng::fresh("wgpu f32 unit matmul");
+    // lavapipe has no TF32: the default leaves f32 to Burn's (already exact) matmul...
+    set_f32_matmul(F32Matmul::Auto);
+    let before = unit_matmul_launches();
+    check_linear_gelu_dtype::<Wgpu>(&dev, &mut rng, [33, 31, 65], DType::F32, 1e-4);
+    assert_eq!(unit_matmul_launches(), before, "Auto used the unit routine");
+    // ...and the forced unit routine carries every product of both ops, forward and backward.
+    set_f32_matmul(F32Matmul::Unit);
+    for shape in [[1, 1, 1], [33, 31, 65], [47, 129, 40]] {
+        let before = unit_matmul_launches();
+        check_linear_gelu_dtype::<Wgpu>(&dev, &mut rng, shape, DType::F32, 1e-4);
+        // x·W in the forward; x·W again, dz·Wᵀ and xᵀ·dz in the backward.
+        assert!(
+            unit_matmul_launches() >= before + 4,
+            "linear_gelu {shape:?}"
+        );
+    }
+    for (shape, all_ignored) in [
+        ([33, 40, 70], false),
+        ([100, 64, 2500], false),
+        ([9, 16, 10], true),
+    ] {
+        let before = unit_matmul_launches();
+        check_linear_ce::<Wgpu>(&dev, &mut rng, shape, all_ignored, 1e-4);
+        assert!(
+            unit_matmul_launches() > before,
+            "linear_cross_entropy {shape:?}"
+        );
+    }
+    set_f32_matmul(F32Matmul::Auto);
 }

@@ -35,6 +35,7 @@ use cubecl::prelude::{ComputeClient, InputScalar};
 use crate::FusedOps;
 
 pub use linear_ce::{linear_ce_piece, set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK};
+pub use matmul::{f32_matmul, set_f32_matmul, unit_matmul_launches, F32Matmul};
 
 static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 
