@@ -32,8 +32,13 @@ const RUN: &[&str] = &[
     "--json",
 ];
 
-/// `bfpp [launch --via VIA --nproc N --] train RUN --out-dir DIR` with `env`.
-fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Output, PathBuf) {
+/// `bfpp [launch --via VIA --nproc N --] train RUN --out-dir DIR` with `env`; also how long it
+/// ran.
+fn bfpp_timed(
+    launch: Option<(&str, usize)>,
+    name: &str,
+    env: &[(&str, &str)],
+) -> (Output, PathBuf, Duration) {
     let dir = fresh_dir("launch-cli", name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
     if let Some((via, n)) = launch {
@@ -51,7 +56,14 @@ fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Out
     for (k, v) in env {
         cmd.env(k, v);
     }
-    (output_within(cmd, LAUNCH_DEADLINE), dir)
+    let mut launched = outputs_within(vec![cmd], LAUNCH_DEADLINE);
+    (launched.outputs.remove(0), dir, launched.took)
+}
+
+/// [`bfpp_timed`] without the duration.
+fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Output, PathBuf) {
+    let (out, dir, _) = bfpp_timed(launch, name, env);
+    (out, dir)
 }
 
 /// Four processes started `via` report what the in-process run reports.
@@ -76,14 +88,12 @@ fn four_processes_report_what_the_in_process_run_reports(via: &str) {
 
 /// Rank 1 of four processes started `via` fails; the others stop and name it.
 fn a_failing_rank_stops_the_launch_and_is_named(via: &str) {
-    let start = Instant::now();
     let name = format!("{via}-fault");
-    let (out, _) = bfpp(
+    let (out, _, took) = bfpp_timed(
         Some((via, 4)),
         &name,
         &[("BFPP_FAULT_INJECT", "rank=1,step=2")],
     );
-    let took = start.elapsed();
     let log = output_text(&out);
     assert!(!out.status.success(), "the launch succeeded:\n{log}");
     assert!(
@@ -134,7 +144,7 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
             .env_remove("BFPP_FAULT_INJECT");
         cmd
     };
-    let mut nodes = outputs_within(vec![node("0"), node("1")], LAUNCH_DEADLINE);
+    let mut nodes = outputs_within(vec![node("0"), node("1")], LAUNCH_DEADLINE).outputs;
     let (first, second) = (nodes.remove(0), nodes.remove(0));
     assert!(second.status.success(), "node 1:\n{}", output_text(&second));
     let (local, _) = bfpp(None, "two-nodes-local", &[]);
@@ -234,8 +244,10 @@ fn a_hung_launch_is_killed_at_its_deadline_with_what_it_printed() {
         message.contains("started") && message.contains("which hung"),
         "{message}"
     );
+    // Killed at its 1 s deadline plus the 5 s grace, not after its 600 s; the bound leaves room
+    // for waiting on this binary's other launches, which run one at a time.
     assert!(
-        start.elapsed() < Duration::from_secs(20),
+        start.elapsed() < Duration::from_secs(120),
         "{:?}",
         start.elapsed()
     );

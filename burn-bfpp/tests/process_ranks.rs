@@ -15,7 +15,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn_bfpp::comm::{
     agree_by_all_gather, free_local_port, setup_group, CommConfig, CommOp, Communicator, Group,
@@ -170,9 +170,9 @@ const RANK_PROCESS: [&str; 6] = [
     "1",
 ];
 
-/// Runs `np` rank processes of this binary with `env`; returns whether all succeeded and
-/// their output.
-fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String) {
+/// Runs `np` rank processes of this binary with `env`; returns whether all succeeded, their
+/// output, and how long they ran.
+fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String, Duration) {
     let exe = std::env::current_exe().expect("test binary path");
     let text = |o: &Output| {
         format!(
@@ -181,7 +181,7 @@ fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String)
             String::from_utf8_lossy(&o.stderr)
         )
     };
-    let outputs = match launcher {
+    let launched = match launcher {
         Launcher::Tcp => {
             let port = free_local_port().expect("a free local port");
             let ranks = (0..np)
@@ -211,12 +211,13 @@ fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String)
                 cmd.env(k, v).arg("-x").arg(k);
             }
             cmd.arg(&exe).args(RANK_PROCESS);
-            vec![common::bounded::output_within(cmd, LAUNCH_DEADLINE)]
+            outputs_within(vec![cmd], LAUNCH_DEADLINE)
         }
     };
     (
-        outputs.iter().all(|o| o.status.success()),
-        outputs.iter().map(text).collect(),
+        launched.outputs.iter().all(|o| o.status.success()),
+        launched.outputs.iter().map(text).collect(),
+        launched.took,
     )
 }
 
@@ -248,8 +249,7 @@ fn decode(line: &str) -> (Vec<f64>, Vec<f32>) {
 /// Four rank processes started by `launcher` match plain Burn and the in-process run.
 fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Launcher, name: &str) {
     let out = out_file(&format!("{name}-equivalence"));
-    let start = Instant::now();
-    let (ok, log) = launch(
+    let (ok, log, took) = launch(
         launcher,
         4,
         &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))],
@@ -258,7 +258,7 @@ fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Laun
     let lines = read_results(&out);
     let _ = std::fs::remove_file(&out);
     assert_eq!(lines.len(), CASES.len(), "one result per case:\n{log}");
-    eprintln!("4 layouts over {name} in {:.1?}", start.elapsed());
+    eprintln!("4 layouts over {name} in {took:.1?}");
 
     let (want_losses, want_params) = reference(2);
     let base = model();
@@ -309,8 +309,7 @@ fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Laun
 /// Rank 1 of four processes started by `launcher` fails; the others stop and name it.
 fn a_failing_process_stops_the_others_with_an_error_naming_it(launcher: Launcher, name: &str) {
     let out = out_file(&format!("{name}-fault"));
-    let start = Instant::now();
-    let (ok, log) = launch(
+    let (ok, log, took) = launch(
         launcher,
         4,
         &[
@@ -318,7 +317,6 @@ fn a_failing_process_stops_the_others_with_an_error_naming_it(launcher: Launcher
             (FAULT_ENV, "1,2"),
         ],
     );
-    let took = start.elapsed();
     assert!(!ok, "the {name} launch succeeded despite the fault:\n{log}");
     assert!(
         log.contains("injected fault on rank 1 at step 2"),
@@ -336,7 +334,7 @@ fn a_failing_process_stops_the_others_with_an_error_naming_it(launcher: Launcher
 /// Three processes started by `launcher` for a world of four are refused with the fix.
 fn a_world_of_the_wrong_size_is_refused_with_the_fix(launcher: Launcher, name: &str) {
     let out = out_file(&format!("{name}-size"));
-    let (ok, log) = launch(
+    let (ok, log, _) = launch(
         launcher,
         3,
         &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))],

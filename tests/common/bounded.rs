@@ -63,16 +63,22 @@ fn signal_group(group: u32, signal: &str) {
         .status();
 }
 
+/// What a launch left: each process's output, in the order of the commands, and how long the
+/// launch ran (from its start, not counting the wait for an earlier launch to end).
+pub struct Launched {
+    pub outputs: Vec<Output>,
+    pub took: Duration,
+}
+
 /// Runs `cmd` to its end like [`Command::output`], alone among this binary's launches, and
 /// panics with its output so far if it is still running after `limit`.
 pub fn output_within(cmd: Command, limit: Duration) -> Output {
-    let mut outputs = outputs_within(vec![cmd], limit);
-    outputs.remove(0)
+    outputs_within(vec![cmd], limit).outputs.remove(0)
 }
 
 /// Starts `cmds` together in one new process group and waits for all of them, as
-/// [`output_within`] does for one; the outputs are in the order of `cmds`.
-pub fn outputs_within(mut cmds: Vec<Command>, limit: Duration) -> Vec<Output> {
+/// [`output_within`] does for one.
+pub fn outputs_within(mut cmds: Vec<Command>, limit: Duration) -> Launched {
     let _alone = LAUNCHES.lock().unwrap_or_else(PoisonError::into_inner);
     let start = Instant::now();
     let mut group = 0u32;
@@ -132,6 +138,7 @@ pub fn outputs_within(mut cmds: Vec<Command>, limit: Duration) -> Vec<Output> {
             stderr: r.stderr.join().unwrap_or_default(),
         })
         .collect();
+    let took = start.elapsed();
     if timed_out {
         let log: String = outputs
             .iter()
@@ -149,5 +156,5 @@ pub fn outputs_within(mut cmds: Vec<Command>, limit: Duration) -> Vec<Output> {
             names.join("`, `")
         );
     }
-    outputs
+    Launched { outputs, took }
 }
