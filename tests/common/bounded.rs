@@ -66,7 +66,9 @@ fn signal_group(group: u32, signal: &str) {
 /// What a launch left: each process's output, in the order of the commands, and how long the
 /// launch ran (from its start, not counting the wait for an earlier launch to end).
 pub struct Launched {
+    /// Each process's exit status, standard output and standard error.
     pub outputs: Vec<Output>,
+    /// From the first process's start to the last one's end.
     pub took: Duration,
 }
 
