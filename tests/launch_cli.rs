@@ -32,9 +32,9 @@ const RUN: &[&str] = &[
     "--json",
 ];
 
-/// `bfpp [launch --via VIA --nproc N --] train RUN --out-dir DIR` with `env`; also how long it
-/// ran.
-fn bfpp_timed(
+/// `bfpp [launch --via VIA --nproc N --] train RUN --out-dir DIR` with `env`: its output, its
+/// folder and how long it ran.
+fn bfpp(
     launch: Option<(&str, usize)>,
     name: &str,
     env: &[(&str, &str)],
@@ -60,16 +60,10 @@ fn bfpp_timed(
     (launched.outputs.remove(0), dir, launched.took)
 }
 
-/// [`bfpp_timed`] without the duration.
-fn bfpp(launch: Option<(&str, usize)>, name: &str, env: &[(&str, &str)]) -> (Output, PathBuf) {
-    let (out, dir, _) = bfpp_timed(launch, name, env);
-    (out, dir)
-}
-
 /// Four processes started `via` report what the in-process run reports.
 fn four_processes_report_what_the_in_process_run_reports(via: &str) {
-    let (launched, launched_dir) = bfpp(Some((via, 4)), via, &[]);
-    let (local, _) = bfpp(None, &format!("{via}-local"), &[]);
+    let (launched, launched_dir, _) = bfpp(Some((via, 4)), via, &[]);
+    let (local, _, _) = bfpp(None, &format!("{via}-local"), &[]);
     let (m, l) = (json_of(&launched), json_of(&local));
     // Identical values print identically, so the text comparison is a bitwise one.
     for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
@@ -89,7 +83,7 @@ fn four_processes_report_what_the_in_process_run_reports(via: &str) {
 /// Rank 1 of four processes started `via` fails; the others stop and name it.
 fn a_failing_rank_stops_the_launch_and_is_named(via: &str) {
     let name = format!("{via}-fault");
-    let (out, _, took) = bfpp_timed(
+    let (out, _, took) = bfpp(
         Some((via, 4)),
         &name,
         &[("BFPP_FAULT_INJECT", "rank=1,step=2")],
@@ -147,7 +141,7 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
     let mut nodes = outputs_within(vec![node("0"), node("1")], LAUNCH_DEADLINE).outputs;
     let (first, second) = (nodes.remove(0), nodes.remove(0));
     assert!(second.status.success(), "node 1:\n{}", output_text(&second));
-    let (local, _) = bfpp(None, "two-nodes-local", &[]);
+    let (local, _, _) = bfpp(None, "two-nodes-local", &[]);
     // World rank 0 runs on node 0 and reports; node 1's ranks print nothing.
     let (n, l) = (json_of(&first), json_of(&local));
     for key in ["losses", "param_l2_norm", "peak_param_bytes"] {

@@ -14,7 +14,7 @@
 #![cfg(feature = "mpi")]
 
 mod common;
-use common::bounded::{output_within, LAUNCH_DEADLINE};
+use common::bounded::{output_text, output_within, LAUNCH_DEADLINE};
 
 use std::process::Command;
 use std::time::Duration;
@@ -166,9 +166,8 @@ fn the_measured_bubble_is_the_simulators_within_ten_percent() {
     let run = output_within(cmd, LAUNCH_DEADLINE);
     assert!(
         run.status.success(),
-        "{}{}\n^ mpirun failed",
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
+        "{}\n^ mpirun failed",
+        output_text(&run)
     );
     let text = std::fs::read_to_string(&out).expect("rank 0 wrote its figures");
     let _ = std::fs::remove_file(&out);

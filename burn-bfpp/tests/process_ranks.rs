@@ -14,7 +14,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::Duration;
 
 use burn_bfpp::comm::{
@@ -23,7 +23,7 @@ use burn_bfpp::comm::{
 };
 use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
-use common::bounded::{outputs_within, LAUNCH_DEADLINE};
+use common::bounded::{output_text, outputs_within, LAUNCH_DEADLINE};
 use common::*;
 
 /// The layouts run by the rank processes, in this order in every process.
@@ -174,13 +174,6 @@ const RANK_PROCESS: [&str; 6] = [
 /// output, and how long they ran.
 fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String, Duration) {
     let exe = std::env::current_exe().expect("test binary path");
-    let text = |o: &Output| {
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    };
     let launched = match launcher {
         Launcher::Tcp => {
             let port = free_local_port().expect("a free local port");
@@ -216,7 +209,7 @@ fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String,
     };
     (
         launched.outputs.iter().all(|o| o.status.success()),
-        launched.outputs.iter().map(text).collect(),
+        launched.outputs.iter().map(output_text).collect(),
         launched.took,
     )
 }

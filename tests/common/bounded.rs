@@ -55,6 +55,15 @@ fn collect(stream: Option<impl Read + Send + 'static>) -> JoinHandle<Vec<u8>> {
     })
 }
 
+/// A process's standard output followed by its standard error, for failure messages.
+pub fn output_text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// Sends `signal` to every process of group `group`; a group already gone is no error.
 fn signal_group(group: u32, signal: &str) {
     let _ = Command::new("kill")
@@ -142,16 +151,7 @@ pub fn outputs_within(mut cmds: Vec<Command>, limit: Duration) -> Launched {
         .collect();
     let took = start.elapsed();
     if timed_out {
-        let log: String = outputs
-            .iter()
-            .map(|o| {
-                format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                )
-            })
-            .collect();
+        let log: String = outputs.iter().map(output_text).collect();
         panic!(
             "{log}\n^ the output so far of `{}`, which hung: still running after {limit:?}, \
              so its process group was killed",

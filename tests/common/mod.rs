@@ -3,6 +3,8 @@
 
 pub mod bounded;
 
+pub use bounded::output_text;
+
 use std::path::PathBuf;
 use std::process::Output;
 
@@ -47,15 +49,6 @@ pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir is writable");
     dir
-}
-
-/// A run's standard output and standard error, for failure messages.
-pub fn output_text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// The `--json` object of a successful run.
