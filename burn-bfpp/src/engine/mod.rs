@@ -16,6 +16,7 @@ mod profile;
 mod rank;
 mod shard;
 mod snapshot;
+mod stage;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

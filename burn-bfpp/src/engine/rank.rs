@@ -5,8 +5,9 @@ use std::time::Instant;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use super::executor::{ExecutorSettings, LocalStage, RankExecutor};
+use super::executor::{ExecutorSettings, RankExecutor};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
+use super::stage::LocalStage;
 use super::{EngineConfig, EngineError, FaultKind, StepReport, TimedEvent};
 use crate::comm::{Communicator, Group};
 use crate::model::{module_to_device, split_model, MicroBatch, PipelineModel, PipelineStage};

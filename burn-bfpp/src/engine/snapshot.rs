@@ -9,9 +9,10 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::executor::{LocalStage, RankExecutor};
+use super::executor::RankExecutor;
 use super::precision::ScalerState;
 use super::shard::ShardLayout;
+use super::stage::LocalStage;
 use super::EngineError;
 use crate::comm::{Communicator, Group};
 use crate::model::PipelineStage;
