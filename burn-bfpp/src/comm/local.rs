@@ -8,15 +8,15 @@
 //! [`host`]), which is what makes them deterministic.
 
 use std::fmt;
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use super::host::{self, HostBuf};
+use super::host::HostBuf;
 use super::mailbox::{Envelope, Handoff, Mailbox, Payload, Shared, Stream};
+use super::pending::{self, Collective, Combine, Pending, PostAndCollect, Posted};
 use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
 
 /// A rank of a world whose ranks are threads of this process.
@@ -224,30 +224,69 @@ impl<B: Backend> LocalComm<B> {
         Tensor::from_data(data, (self.device(), dtype))
     }
 
-    /// Exchanges this rank's contribution with every other member of `group` and returns all
-    /// contributions in group-rank order, together with the members' world ranks; fails if a
-    /// member's contribution has another shape.
-    fn gather_contributions(
+    /// The members of `group` other than this rank, in group-rank order.
+    fn others(&self, group: Group) -> Vec<usize> {
+        self.group_members(group)
+            .into_iter()
+            .filter(|&r| r != self.mbox.rank())
+            .collect()
+    }
+}
+
+impl<B: Backend> PostAndCollect<B> for LocalComm<B> {
+    fn overlaps(&self) -> bool {
+        self.config.overlap_collectives
+    }
+
+    fn check_call(&self, action: CommOp, shape: &[usize]) -> Result<(), CommError> {
+        self.mbox.check_abort(action, shape)
+    }
+
+    fn skip_seq(&self, group: Group) {
+        self.mbox.next_seq(group);
+    }
+
+    fn invalid_call(&self, action: CommOp, reason: String) -> CommError {
+        self.invalid(action, reason)
+    }
+
+    fn post_part<const D: usize>(
         &self,
         group: Group,
         action: CommOp,
-        shape: &[usize],
-        mine: Arc<HostBuf>,
-    ) -> Result<(Vec<Arc<HostBuf>>, Vec<usize>), CommError> {
-        let members = self.group_members(group);
-        let others: Vec<usize> = members
-            .iter()
-            .copied()
-            .filter(|&r| r != self.mbox.rank())
-            .collect();
-        let received = self.mbox.exchange(
+        tensor: Tensor<B, D>,
+        combine: Combine,
+    ) -> Result<Posted, CommError> {
+        let shape = tensor.dims().to_vec();
+        let mine = self.read_host(tensor, action)?;
+        let payload = Payload::Shared(Arc::clone(&mine));
+        let seq = self
+            .mbox
+            .post_collective(group, action, &shape, payload, &self.others(group))?;
+        Ok(Posted {
+            rank: self.mbox.rank(),
             group,
             action,
             shape,
-            Payload::Shared(Arc::clone(&mine)),
-            &others,
-            &others,
-        )?;
+            seq,
+            mine,
+            combine,
+        })
+    }
+
+    fn complete<const D: usize>(&self, posted: Posted) -> Result<Tensor<B, D>, CommError> {
+        let Posted {
+            group,
+            action,
+            shape,
+            seq,
+            mine,
+            combine,
+            ..
+        } = posted;
+        let members = self.group_members(group);
+        let others = self.others(group);
+        let received = self.mbox.collect(group, action, &shape, seq, &others)?;
         let mut received = others.iter().copied().zip(received);
         let mut parts = Vec::with_capacity(members.len());
         for &member in &members {
@@ -267,28 +306,11 @@ impl<B: Backend> LocalComm<B> {
         // Every caller combines element-wise or concatenates equal shards: shapes must agree.
         for (part, &member) in parts.iter().zip(&members) {
             if part.shape != shape {
-                return Err(self.shape_mismatch(member, action, shape, &part.shape));
+                return Err(self.shape_mismatch(member, action, &shape, &part.shape));
             }
         }
-        Ok((parts, members))
-    }
-
-    /// Shared part of all-reduce and reduce-scatter: reduces elements `range` of the members'
-    /// equal-shape contributions into a tensor of shape `out_shape`.
-    fn reduce<const D: usize, const DO: usize>(
-        &self,
-        group: Group,
-        action: CommOp,
-        tensor: Tensor<B, D>,
-        op: ReduceOp,
-        range: Range<usize>,
-        out_shape: Vec<usize>,
-    ) -> Result<Tensor<B, DO>, CommError> {
-        let shape = tensor.dims().to_vec();
-        let mine = self.read_host(tensor, action)?;
-        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
         let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
-        let out = host::reduce(&refs, range, op, out_shape).map_err(|(i, reason)| {
+        let out = combine.apply(&refs).map_err(|(i, reason)| {
             self.data_error(action, format!("rank {}: {reason}", members[i]))
         })?;
         Ok(self.build_tensor(out.into_data()))
@@ -400,20 +422,10 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
     }
 
     fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError> {
-        let action = CommOp::AllGather(group);
-        let shape = shard.dims().to_vec();
-        self.mbox.check_abort(action, &shape)?;
-        if self.group_size(group) == 1 {
-            self.mbox.next_seq(group);
-            return Ok(shard);
-        }
-        let mine = self.read_host(shard, action)?;
-        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
-        let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
-        let out = host::concat(&refs).map_err(|(i, reason)| {
-            self.data_error(action, format!("rank {}: {reason}", members[i]))
-        })?;
-        Ok(self.build_tensor(out.into_data()))
+        pending::finish(
+            self,
+            pending::begin(self, Collective::AllGather { group, shard })?,
+        )
     }
 
     fn reduce_scatter(
@@ -422,24 +434,8 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         tensor: Tensor<B, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<B, 1>, CommError> {
-        let action = CommOp::ReduceScatter(group, op);
-        let [len] = tensor.dims();
-        self.mbox.check_abort(action, &[len])?;
-        let size = self.group_size(group);
-        if len % size != 0 {
-            return Err(self.invalid(
-                action,
-                format!("length {len} is not divisible by the group size {size}"),
-            ));
-        }
-        if size == 1 {
-            // x / 1 == x exactly, so the mean needs no arithmetic either.
-            self.mbox.next_seq(group);
-            return Ok(tensor);
-        }
-        let chunk = len / size;
-        let start = self.group_rank(group) * chunk;
-        self.reduce(group, action, tensor, op, start..start + chunk, vec![chunk])
+        let collective = Collective::ReduceScatter { group, tensor, op };
+        pending::finish(self, pending::begin(self, collective)?)
     }
 
     fn all_reduce<const D: usize>(
@@ -448,15 +444,7 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         tensor: Tensor<B, D>,
         op: ReduceOp,
     ) -> Result<Tensor<B, D>, CommError> {
-        let action = CommOp::AllReduce(group, op);
-        let shape = tensor.dims().to_vec();
-        self.mbox.check_abort(action, &shape)?;
-        if self.group_size(group) == 1 {
-            self.mbox.next_seq(group);
-            return Ok(tensor);
-        }
-        let len = shape.iter().product();
-        self.reduce(group, action, tensor, op, 0..len, shape)
+        pending::all_reduce(self, group, tensor, op)
     }
 
     fn broadcast<const D: usize>(
@@ -505,6 +493,14 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
 
     fn barrier(&self, group: Group) -> Result<(), CommError> {
         self.agree(group, CommOp::Barrier(group), &[])
+    }
+
+    fn start(&self, collective: Collective<B>) -> Result<Pending<B>, CommError> {
+        pending::start(self, collective)
+    }
+
+    fn finish(&self, pending: Pending<B>) -> Result<Tensor<B, 1>, CommError> {
+        pending::finish(self, pending)
     }
 
     fn abort(&self, cause: &str) {

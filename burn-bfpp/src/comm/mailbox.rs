@@ -338,9 +338,8 @@ impl Mailbox {
         seq
     }
 
-    /// One round of a collective: sends `payload` to the members in `send_to`, then receives
-    /// one message from each member in `recv_from` (in the given order), checking that each
-    /// peer is at the same collective.
+    /// One collective round on `group`: posts `payload` to `send_to`, then waits for one
+    /// message from each of `recv_from` ([`Self::post_collective`] then [`Self::collect`]).
     pub(crate) fn exchange(
         &self,
         group: Group,
@@ -350,19 +349,47 @@ impl Mailbox {
         send_to: &[usize],
         recv_from: &[usize],
     ) -> Result<Vec<Payload>, CommError> {
-        let started = Instant::now();
+        let seq = self.post_collective(group, action, shape, payload, send_to)?;
+        self.collect(group, action, shape, seq, recv_from)
+    }
+
+    /// Posts `payload` to `send_to` as this rank's part of the next collective on `group`
+    /// and returns that collective's index; never blocks.
+    pub(crate) fn post_collective(
+        &self,
+        group: Group,
+        action: CommOp,
+        shape: &[usize],
+        payload: Payload,
+        send_to: &[usize],
+    ) -> Result<u64, CommError> {
         let seq = self.next_seq(group);
-        let stream = Stream::Collective(group);
         for &dst in send_to {
             let env = Envelope {
                 src: self.rank,
-                stream,
+                stream: Stream::Collective(group),
                 seq,
                 op: action,
                 payload: payload.clone(),
             };
             self.post(dst, env, shape)?;
         }
+        Ok(seq)
+    }
+
+    /// Waits for the parts of collective `seq` on `group` from each of `recv_from`, in that
+    /// order. A peer's oldest unread message on the group must be that collective: members
+    /// finish collectives in the order they post them.
+    pub(crate) fn collect(
+        &self,
+        group: Group,
+        action: CommOp,
+        shape: &[usize],
+        seq: u64,
+        recv_from: &[usize],
+    ) -> Result<Vec<Payload>, CommError> {
+        let started = Instant::now();
+        let stream = Stream::Collective(group);
         let mut received = Vec::with_capacity(recv_from.len());
         for &src in recv_from {
             let env = self.wait(src, stream, action, shape, started)?;

@@ -51,6 +51,7 @@ mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_group;
 mod nccl_host;
+pub mod pending;
 mod process;
 mod store;
 mod tcp;
@@ -63,6 +64,8 @@ mod tests;
 mod tests_failure;
 #[cfg(test)]
 mod tests_nccl_checks;
+#[cfg(test)]
+mod tests_pending;
 #[cfg(test)]
 mod tests_tcp;
 
@@ -81,6 +84,7 @@ pub use nccl::{cuda_driver_available, nccl_available, CudaBackend, NcclComm};
 #[cfg(feature = "cuda")]
 pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
+pub use pending::{Collective, Pending};
 pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
 pub use store::{free_local_port, RendezvousEnv, StoreError, TcpStore};
 pub use tcp::{TcpComm, TcpTransport, ADVERTISE_ENV};
@@ -180,6 +184,11 @@ pub struct CommConfig {
     /// lazily, per thread) and the receiver's thread would not wait for it. Off only to
     /// exercise the host path on one device (tests).
     pub same_device_handoff: bool,
+    /// Whether [`Communicator::start`] returns as soon as this rank's part is posted, so the
+    /// rank computes while its peers catch up and their parts travel, and waits only in
+    /// [`Communicator::finish`] (see [`pending`]). Default on; results are bitwise the same
+    /// either way. Off makes every collective wait where it starts, as a measurement baseline.
+    pub overlap_collectives: bool,
 }
 
 impl Default for CommConfig {
@@ -188,6 +197,7 @@ impl Default for CommConfig {
             timeout: Duration::from_secs(300),
             poll_interval: Duration::from_millis(10),
             same_device_handoff: true,
+            overlap_collectives: true,
         }
     }
 }
@@ -462,6 +472,29 @@ pub trait Communicator<B: Backend> {
 
     /// Returns once every member of the group has entered the barrier.
     fn barrier(&self, group: Group) -> Result<(), CommError>;
+
+    /// Starts a 1-D collective. Where the communicator can (see [`pending`] and
+    /// [`CommConfig::overlap_collectives`]) it returns once this rank's part is posted, and
+    /// [`Communicator::finish`] waits for the others'; collectives started on a group must be
+    /// finished in the order they were started, and the group's other collectives issued
+    /// after them. The default completes it at once with the blocking call.
+    fn start(&self, collective: Collective<B>) -> Result<Pending<B>, CommError> {
+        collective.run(self).map(Pending::done)
+    }
+
+    /// The result of a collective [`Communicator::start`] returned on this communicator,
+    /// waiting for the other members' parts if they have not arrived.
+    fn finish(&self, pending: Pending<B>) -> Result<Tensor<B, 1>, CommError> {
+        pending
+            .into_state()
+            .map_err(|posted| CommError::InvalidArgument {
+                rank: self.rank(),
+                action: posted.action,
+                reason: "this communicator completes collectives where they start, so this \
+                         one was started by another communicator; finish it there"
+                    .into(),
+            })
+    }
 
     /// Stops the whole world: every rank's pending and later calls fail with
     /// [`CommError::PeerFailed`] naming this rank and `cause`. Only the first abort of a world

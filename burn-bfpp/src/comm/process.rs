@@ -22,14 +22,16 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use super::host::{self, HostBuf};
+use super::host::HostBuf;
+use super::pending::{Combine, PostAndCollect, Posted};
 use super::wire::{self, Message, Payload, Stream};
-use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
+use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid};
 
 /// Longest sleep between two polls of a waiting receive (see [`ProcessComm::wait`]).
 const MAX_NAP: Duration = Duration::from_micros(200);
@@ -386,51 +388,91 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         }
         Ok(buf)
     }
+}
 
-    /// Sends this rank's contribution to every other member of `group` and returns all
-    /// contributions in group-rank order with the members' world ranks.
-    fn gather_contributions(
+impl<B: Backend, T: Transport> PostAndCollect<B> for ProcessComm<B, T> {
+    fn overlaps(&self) -> bool {
+        self.config.overlap_collectives
+    }
+
+    fn check_call(&self, action: CommOp, shape: &[usize]) -> Result<(), CommError> {
+        self.check(action, shape)
+    }
+
+    fn skip_seq(&self, group: Group) {
+        self.next_seq(group);
+    }
+
+    fn invalid_call(&self, action: CommOp, reason: String) -> CommError {
+        self.fail(CommError::InvalidArgument {
+            rank: self.rank,
+            action,
+            reason,
+        })
+    }
+
+    fn post_part<const D: usize>(
         &self,
         group: Group,
         action: CommOp,
-        shape: &[usize],
-        mine: HostBuf,
-    ) -> Result<(Vec<HostBuf>, Vec<usize>), CommError> {
-        let stream = Stream::Collective(group, self.next_seq(group));
-        let members = self.group_members(group);
-        let mine = Payload::Tensor(mine);
-        for &m in members.iter().filter(|&&m| m != self.rank) {
+        tensor: Tensor<B, D>,
+        combine: Combine,
+    ) -> Result<Posted, CommError> {
+        let shape = tensor.dims().to_vec();
+        let mine = Payload::Tensor(self.read_host(tensor, action)?);
+        let seq = self.next_seq(group);
+        let stream = Stream::Collective(group, seq);
+        for &m in self
+            .group_members(group)
+            .iter()
+            .filter(|&&m| m != self.rank)
+        {
             self.post_data(m, stream, action, &mine)?;
         }
         let Payload::Tensor(mine) = mine else {
             return Err(self.data(action, "own contribution lost".into()));
         };
-        let mut parts = Vec::with_capacity(members.len());
-        for &m in &members {
-            if m == self.rank {
-                parts.push(mine.clone());
-            } else {
-                let payload = self.wait(m, stream, action, shape)?;
-                parts.push(self.expect_tensor(payload, m, action, shape)?);
-            }
-        }
-        Ok((parts, members))
+        Ok(Posted {
+            rank: self.rank,
+            group,
+            action,
+            shape,
+            seq,
+            mine: Arc::new(mine),
+            combine,
+        })
     }
 
-    fn reduce<const D: usize, const DO: usize>(
-        &self,
-        group: Group,
-        action: CommOp,
-        tensor: Tensor<B, D>,
-        op: ReduceOp,
-        range: std::ops::Range<usize>,
-        out_shape: Vec<usize>,
-    ) -> Result<Tensor<B, DO>, CommError> {
-        let shape = tensor.dims().to_vec();
-        let mine = self.read_host(tensor, action)?;
-        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
-        let refs: Vec<&HostBuf> = parts.iter().collect();
-        let out = host::reduce(&refs, range, op, out_shape).map_err(|(i, reason)| {
+    fn complete<const D: usize>(&self, posted: Posted) -> Result<Tensor<B, D>, CommError> {
+        let Posted {
+            group,
+            action,
+            shape,
+            seq,
+            mine,
+            combine,
+            ..
+        } = posted;
+        let stream = Stream::Collective(group, seq);
+        let members = self.group_members(group);
+        let mut theirs = Vec::with_capacity(members.len());
+        for &m in members.iter().filter(|&&m| m != self.rank) {
+            let payload = self.wait(m, stream, action, &shape)?;
+            theirs.push(self.expect_tensor(payload, m, action, &shape)?);
+        }
+        let mut theirs = theirs.iter();
+        let parts: Vec<&HostBuf> = members
+            .iter()
+            .map(|&m| {
+                if m == self.rank {
+                    Some(mine.as_ref())
+                } else {
+                    theirs.next()
+                }
+            })
+            .collect::<Option<_>>()
+            .ok_or_else(|| self.data(action, "a member's contribution is missing".into()))?;
+        let out = combine.apply(&parts).map_err(|(i, reason)| {
             self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
         })?;
         Ok(self.build_tensor(out.into_data()))

@@ -18,7 +18,7 @@ fn env(rank: usize, world_size: usize, port: u16) -> RendezvousEnv {
 
 /// Connects a `pp × dp` world over TCP, one thread per rank, and runs `f` on every rank;
 /// returns each rank's result in world-rank order.
-fn over_tcp<T: Send>(
+pub(super) fn over_tcp<T: Send>(
     pp: usize,
     dp: usize,
     timeout: Duration,

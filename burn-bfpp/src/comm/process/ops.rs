@@ -5,7 +5,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use super::super::host::{self, HostBuf};
+use super::super::pending::{self, Collective, Pending};
 use super::super::wire::{self, Payload, Stream};
 use super::super::{CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
 use super::{ProcessComm, Transport};
@@ -83,20 +83,10 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
     }
 
     fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError> {
-        let action = CommOp::AllGather(group);
-        let shape = shard.dims().to_vec();
-        self.check(action, &shape)?;
-        if self.group_size(group) == 1 {
-            self.next_seq(group);
-            return Ok(shard);
-        }
-        let mine = self.read_host(shard, action)?;
-        let (parts, members) = self.gather_contributions(group, action, &shape, mine)?;
-        let refs: Vec<&HostBuf> = parts.iter().collect();
-        let out = host::concat(&refs).map_err(|(i, reason)| {
-            self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
-        })?;
-        Ok(self.build_tensor(out.into_data()))
+        pending::finish(
+            self,
+            pending::begin(self, Collective::AllGather { group, shard })?,
+        )
     }
 
     fn reduce_scatter(
@@ -105,24 +95,8 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
         tensor: Tensor<B, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<B, 1>, CommError> {
-        let action = CommOp::ReduceScatter(group, op);
-        let [len] = tensor.dims();
-        self.check(action, &[len])?;
-        let size = self.group_size(group);
-        if len % size != 0 {
-            return Err(self.fail(CommError::InvalidArgument {
-                rank: self.rank,
-                action,
-                reason: format!("length {len} is not divisible by the group size {size}"),
-            }));
-        }
-        if size == 1 {
-            self.next_seq(group);
-            return Ok(tensor);
-        }
-        let chunk = len / size;
-        let start = self.group_rank(group) * chunk;
-        self.reduce(group, action, tensor, op, start..start + chunk, vec![chunk])
+        let collective = Collective::ReduceScatter { group, tensor, op };
+        pending::finish(self, pending::begin(self, collective)?)
     }
 
     fn all_reduce<const D: usize>(
@@ -131,15 +105,7 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
         tensor: Tensor<B, D>,
         op: ReduceOp,
     ) -> Result<Tensor<B, D>, CommError> {
-        let action = CommOp::AllReduce(group, op);
-        let shape = tensor.dims().to_vec();
-        self.check(action, &shape)?;
-        if self.group_size(group) == 1 {
-            self.next_seq(group);
-            return Ok(tensor);
-        }
-        let len = shape.iter().product();
-        self.reduce(group, action, tensor, op, 0..len, shape)
+        pending::all_reduce(self, group, tensor, op)
     }
 
     fn broadcast<const D: usize>(
@@ -193,6 +159,14 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
             self.wait(m, stream, action, &[])?;
         }
         Ok(())
+    }
+
+    fn start(&self, collective: Collective<B>) -> Result<Pending<B>, CommError> {
+        pending::start(self, collective)
+    }
+
+    fn finish(&self, pending: Pending<B>) -> Result<Tensor<B, 1>, CommError> {
+        pending::finish(self, pending)
     }
 
     fn abort(&self, cause: &str) {
