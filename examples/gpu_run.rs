@@ -277,11 +277,7 @@ where
         device_of(0),
         &ranks,
         |model, cfg, activation, batch, on_step| {
-            let comms = make_comms(
-                RankGrid::new(cfg.pp, cfg.dp)?,
-                devices,
-                CommConfig::with_timeout(cfg.comm_timeout),
-            )?;
+            let comms = make_comms(RankGrid::new(cfg.pp, cfg.dp)?, devices, cfg.comm_config())?;
             train_local_with_comms(
                 model,
                 cfg,
@@ -320,7 +316,7 @@ where
         &ranks,
         |model, cfg, activation, batch, on_step| {
             let grid = RankGrid::new(cfg.pp, cfg.dp)?;
-            let config = CommConfig::with_timeout(cfg.comm_timeout);
+            let config = cfg.comm_config();
             let comm = layer(TcpComm::connect(env, grid, device, config)?)?;
             train_processes::<B, _, _, _, _>(
                 &comm, model, cfg, args.steps, activation, batch, on_step,
@@ -402,6 +398,7 @@ where
         lr: LrSchedule::constant(1e-4),
         max_grad_norm: 1.0,
         comm_timeout: Duration::from_secs(600),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: args.precision,

@@ -47,6 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         lr: LrSchedule::warmup_cosine(3e-3, 3e-4, 5, 30),
         max_grad_norm: 1.0,
         comm_timeout: Duration::from_secs(300),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: Default::default(),

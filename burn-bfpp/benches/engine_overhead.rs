@@ -72,6 +72,7 @@ fn engine_run(model: &Gpt<B>) -> Vec<f64> {
         lr: LrSchedule::constant(1e-3),
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(60),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: Default::default(),

@@ -131,6 +131,7 @@ fn engine_config(dp: usize) -> EngineConfig {
         lr: lr(),
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(120),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: Default::default(),

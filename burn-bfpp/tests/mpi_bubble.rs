@@ -79,6 +79,7 @@ fn config() -> EngineConfig {
         lr: LrSchedule::constant(1e-3),
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(120),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: Default::default(),

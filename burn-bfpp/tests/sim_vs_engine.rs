@@ -71,6 +71,7 @@ fn config(dp: usize, zero: ZeroLevel) -> EngineConfig {
         lr: LrSchedule::constant(1e-3),
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(60),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: Default::default(),

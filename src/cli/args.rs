@@ -110,6 +110,10 @@ pub struct TrainArgs {
     /// Seconds a rank waits on a peer before the run fails.
     #[arg(long, value_name = "SECS", help_heading = "Run")]
     pub comm_timeout: Option<f64>,
+    /// Let every data-parallel collective wait where it starts instead of overlapping the
+    /// compute after it (the baseline for measuring the overlap; results are bitwise equal).
+    #[arg(long, help_heading = "Run")]
+    pub no_overlap: bool,
     /// A step whose loss or gradient norm is NaN or infinite: stop the run with an error
     /// naming the step (default), or skip its optimizer update with a warning.
     #[arg(long, value_name = "stop|skip", help_heading = "Run")]
@@ -198,6 +202,9 @@ impl TrainArgs {
         set(&mut r.steps, &self.steps);
         set(&mut r.seed, &self.seed);
         set(&mut r.comm_timeout_s, &self.comm_timeout);
+        if self.no_overlap {
+            r.overlap_collectives = false;
+        }
         set(&mut r.out_dir, &self.out_dir);
         set(&mut r.on_nonfinite, &self.on_nonfinite);
         set(&mut r.precision, &self.precision);

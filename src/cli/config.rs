@@ -234,6 +234,9 @@ pub struct RunConfig {
     pub seed: u64,
     /// Seconds any rank waits on a peer before the run fails (a hung or dead rank).
     pub comm_timeout_s: f64,
+    /// Overlap the data-parallel collectives with compute (default); `false` waits where
+    /// each starts, the baseline to measure the overlap against. Results are bitwise equal.
+    pub overlap_collectives: bool,
     /// Folder for `metrics.jsonl`, `trace.json` and `timeline.svg`.
     pub out_dir: PathBuf,
     /// A step whose loss or gradient norm is NaN or infinite: `"stop"` the run with an error
@@ -252,6 +255,7 @@ impl Default for RunConfig {
             steps: 120,
             seed: 0,
             comm_timeout_s: 60.0,
+            overlap_collectives: true,
             out_dir: PathBuf::from("bfpp-out"),
             on_nonfinite: NonFinitePolicy::Stop,
             precision: Precision::Fp32,
@@ -439,6 +443,7 @@ impl BfppConfig {
             lr,
             max_grad_norm: o.max_grad_norm,
             comm_timeout: Duration::from_secs_f64(r.comm_timeout_s),
+            overlap_collectives: r.overlap_collectives,
             fault,
             on_nonfinite: r.on_nonfinite,
             precision: r.precision,

@@ -68,7 +68,7 @@ impl Ranks {
             return Ok(Ranks::Local);
         }
         let grid = RankGrid::new(engine.pp, engine.dp).map_err(EngineError::from)?;
-        let config = CommConfig::with_timeout(engine.comm_timeout);
+        let config = engine.comm_config();
         if mode == CommMode::Mpi {
             return Self::join_mpi(grid, config);
         }

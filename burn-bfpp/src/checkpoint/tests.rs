@@ -92,6 +92,7 @@ fn config(pp: usize, loops: usize, dp: usize, zero: ZeroLevel) -> EngineConfig {
         lr: LrSchedule::warmup_cosine(2e-2, 1e-3, 1, STEPS),
         max_grad_norm: 1.0,
         comm_timeout: Duration::from_secs(60),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: Default::default(),

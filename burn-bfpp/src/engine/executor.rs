@@ -4,17 +4,17 @@
 //! happens where the lowered list puts it, so what runs is exactly what the validator checked
 //! and what the simulator timed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 
 use super::nonfinite::{NonFinitePolicy, NonFiniteReport, GRADIENT, LOSS};
 use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
 use super::stage::{in_dtype, pad, LocalStage};
 use super::{EngineError, TimedEvent};
-use crate::comm::{Communicator, Group, ReduceOp};
+use crate::comm::{Collective, Communicator, Group, Pending, ReduceOp};
 use crate::model::{
     autodiff_lock, flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward,
     release_params, stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
@@ -108,6 +108,15 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     pub(crate) poison: bool,
     /// The loss scale (f16) and its history of good steps.
     scaler: LossScaler,
+    /// Data-parallel collectives started and not yet finished, oldest first.
+    in_flight: VecDeque<InFlight<Inner<B>>>,
+}
+
+/// A collective started by `UNSHARD` or `REDUCE_GRAD` whose result is not yet used.
+struct InFlight<B: Backend> {
+    /// The action that started it, which also names its waits.
+    action: Action,
+    pending: Pending<B>,
 }
 
 impl<'c, B, S, C> RankExecutor<'c, B, S, C>
@@ -148,6 +157,7 @@ where
             peak_param_bytes: 0,
             poison: false,
             scaler,
+            in_flight: VecDeque::new(),
         };
         exec.note_memory();
         exec
@@ -205,6 +215,7 @@ where
         self.losses.clear();
         let program = std::mem::take(&mut self.program);
         let result: Result<(), EngineError> = program.iter().try_for_each(|&action| {
+            self.finish_needed_by(step, action)?;
             let start = self.epoch.elapsed().as_secs_f64();
             self.run(action, batch)
                 .map_err(|source| EngineError::Action {
@@ -224,6 +235,7 @@ where
         });
         self.program = program;
         result?;
+        self.finish_collectives(step, self.in_flight.len())?;
         let skipped = self.optimizer_step(step, lr)?;
         Ok(StepOutcome {
             loss: self.step_loss()?,
@@ -462,36 +474,114 @@ where
         Ok(())
     }
 
-    /// All-gather the stage's shards into its module.
+    /// Starts the all-gather of the stage's shards; [`Self::finish_collectives`] puts the
+    /// result into its module before the stage computes.
     fn unshard(&mut self, s: usize) -> Result<(), EngineError> {
         let comm = self.comm;
-        let stage = self.stage_mut(s)?;
-        let full = comm.all_gather(Group::DataParallel, stage.owned.clone())?;
-        stage.refill(full)?;
-        stage.gathered = true;
-        self.note_memory();
-        Ok(())
+        let shard = self.stage_mut(s)?.owned.clone();
+        let pending = comm.start(Collective::AllGather {
+            group: Group::DataParallel,
+            shard,
+        })?;
+        self.started(Action::collective(s, ActionKind::Unshard), pending)
     }
 
-    /// Reduce the gradients accumulated since the last reduction: all-reduce at ZeRO-0,
-    /// reduce-scatter into the owned shard above; the mean over the data-parallel group.
+    /// Starts the reduction of the gradients accumulated since the last reduction:
+    /// all-reduce at ZeRO-0, reduce-scatter into the owned shard above; the mean over the
+    /// data-parallel group.
     fn reduce_grad(&mut self, s: usize) -> Result<(), EngineError> {
         let comm = self.comm;
         let stage = self.stage_mut(s)?;
-        let window = stage.grad_window.take().ok_or(EngineError::Missing {
+        let tensor = stage.grad_window.take().ok_or(EngineError::Missing {
             what: "accumulated gradient",
             stage: s,
             microbatch: 0,
         })?;
-        let reduced = if stage.layout.sharded {
-            comm.reduce_scatter(Group::DataParallel, window, ReduceOp::Mean)?
+        let (group, op) = (Group::DataParallel, ReduceOp::Mean);
+        let pending = comm.start(if stage.layout.sharded {
+            Collective::ReduceScatter { group, tensor, op }
         } else {
-            comm.all_reduce(Group::DataParallel, window, ReduceOp::Mean)?
+            Collective::AllReduce { group, tensor, op }
+        })?;
+        self.started(Action::collective(s, ActionKind::ReduceGrad), pending)
+    }
+
+    /// Uses the result of a collective that completed as it started, or keeps it in flight.
+    fn started(&mut self, action: Action, pending: Pending<Inner<B>>) -> Result<(), EngineError> {
+        if pending.in_flight() {
+            self.in_flight.push_back(InFlight { action, pending });
+            Ok(())
+        } else {
+            let result = self.comm.finish(pending)?;
+            self.use_result(action, result)
+        }
+    }
+
+    /// Puts a finished collective's result where it belongs: an all-gather's into the
+    /// stage's module, a reduction's into the stage's reduced gradients.
+    fn use_result(
+        &mut self,
+        action: Action,
+        result: Tensor<Inner<B>, 1>,
+    ) -> Result<(), EngineError> {
+        let stage = self.stage_mut(action.stage)?;
+        if action.kind == ActionKind::Unshard {
+            stage.refill(result)?;
+            stage.gathered = true;
+            self.note_memory();
+        } else {
+            stage.grad_owned = Some(match stage.grad_owned.take() {
+                Some(acc) => acc + result,
+                None => result,
+            });
+        }
+        Ok(())
+    }
+
+    /// Finishes the collectives `action` needs before it runs: a stage's all-gather before
+    /// the stage computes or frees its weights, and the previous reduction before the next
+    /// one starts (so at most one full gradient buffer waits on its peers).
+    fn finish_needed_by(&mut self, step: usize, action: Action) -> Result<(), EngineError> {
+        let needs = |started: &Action| match action.kind {
+            ActionKind::ReduceGrad => started.kind == ActionKind::ReduceGrad,
+            kind if kind.is_compute() || kind == ActionKind::Reshard => {
+                started.kind == ActionKind::Unshard && started.stage == action.stage
+            }
+            _ => false,
         };
-        stage.grad_owned = Some(match stage.grad_owned.take() {
-            Some(acc) => acc + reduced,
-            None => reduced,
-        });
+        match self.in_flight.iter().rposition(|f| needs(&f.action)) {
+            Some(last) => self.finish_collectives(step, last + 1),
+            None => Ok(()),
+        }
+    }
+
+    /// Finishes the `count` oldest collectives in flight, in the order they started (as every
+    /// member must), recording each wait under the action that started it.
+    fn finish_collectives(&mut self, step: usize, count: usize) -> Result<(), EngineError> {
+        for _ in 0..count {
+            let Some(InFlight { action, pending }) = self.in_flight.pop_front() else {
+                break;
+            };
+            let start = self.epoch.elapsed().as_secs_f64();
+            let finished = self
+                .comm
+                .finish(pending)
+                .map_err(EngineError::from)
+                .and_then(|result| self.use_result(action, result));
+            finished.map_err(|source| EngineError::Action {
+                rank: self.comm.rank(),
+                step,
+                action,
+                source: Box::new(source),
+            })?;
+            let end = self.epoch.elapsed().as_secs_f64();
+            self.events.push(TimedEvent {
+                step,
+                action,
+                start,
+                end,
+            });
+        }
         Ok(())
     }
 

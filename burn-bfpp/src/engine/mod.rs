@@ -116,6 +116,11 @@ pub struct EngineConfig {
     pub max_grad_norm: f64,
     /// Timeout of every blocking communication.
     pub comm_timeout: Duration,
+    /// Whether data-parallel collectives overlap compute: each `UNSHARD` and `REDUCE_GRAD`
+    /// returns once this rank's part is posted and is waited for only where its result is
+    /// needed ([`crate::comm::pending`]). Results are bitwise the same; off is the baseline
+    /// that waits where each collective starts.
+    pub overlap_collectives: bool,
     /// What a step with a NaN or infinite loss or gradient norm does: stop or skip.
     pub on_nonfinite: NonFinitePolicy,
     /// The dtype the stages compute in; master weights, AdamW state and reductions stay
@@ -128,6 +133,14 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// The communicator settings of this run's ranks.
+    pub fn comm_config(&self) -> CommConfig {
+        CommConfig {
+            overlap_collectives: self.overlap_collectives,
+            ..CommConfig::with_timeout(self.comm_timeout)
+        }
+    }
+
     /// The schedule this configuration asks for.
     pub fn spec(&self) -> ScheduleSpec {
         ScheduleSpec {
@@ -287,7 +300,7 @@ where
     let program = cfg.program()?;
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
     let comms: Vec<LocalComm<B::InnerBackend>> =
-        LocalComm::create_with_devices(grid, devices, CommConfig::with_timeout(cfg.comm_timeout))?;
+        LocalComm::create_with_devices(grid, devices, cfg.comm_config())?;
     train_world(
         model,
         cfg,

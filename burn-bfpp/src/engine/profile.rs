@@ -42,7 +42,8 @@ impl StepProfile {
     /// own start and the end of its matching send to its end — the message's latency and
     /// unpacking, not the wait for the sender, which the simulator derives from the send —
     /// and `RESHARD`, which the simulator takes as instantaneous, passes its time on to the
-    /// next action.
+    /// next action. A collective that overlapped compute has two events, its start and its
+    /// wait (see [`crate::comm::pending`]), and is charged both.
     pub fn measure(timelines: &[Vec<TimedEvent>], pp: usize, step: usize) -> Option<Self> {
         let of_step = |events: &'_ [TimedEvent]| -> Vec<TimedEvent> {
             events.iter().filter(|e| e.step == step).cloned().collect()
@@ -102,7 +103,9 @@ impl StepProfile {
                     }
                     ActionKind::Reshard => {}
                     _ => {
-                        durations.insert(e.action, e.end - previous_end);
+                        // A collective finished after it started appears twice (its start,
+                        // then its wait): the rank spent both on it.
+                        *durations.entry(e.action).or_insert(0.0) += e.end - previous_end;
                         previous_end = e.end;
                     }
                 }

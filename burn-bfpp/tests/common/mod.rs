@@ -194,6 +194,7 @@ pub fn config(
         lr: lr(),
         max_grad_norm: 0.0,
         comm_timeout: Duration::from_secs(60),
+        overlap_collectives: true,
         fault: None,
         on_nonfinite: Default::default(),
         precision: Default::default(),
