@@ -16,7 +16,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::host::HostBuf;
 use super::mailbox::{Envelope, Handoff, Mailbox, Payload, Shared, Stream};
-use super::pending::{self, Collective, Combine, Pending, PostAndCollect, Posted};
+use super::pending::{self, Collective, Pending, PostAndCollect, Posted};
 use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
 
 /// A rank of a world whose ranks are threads of this process.
@@ -246,74 +246,45 @@ impl<B: Backend> PostAndCollect<B> for LocalComm<B> {
         self.mbox.next_seq(group);
     }
 
-    fn invalid_call(&self, action: CommOp, reason: String) -> CommError {
-        self.invalid(action, reason)
+    fn fail_call(&self, err: CommError) -> CommError {
+        self.mbox.fail(err)
     }
 
-    fn post_part<const D: usize>(
+    fn read_part<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        action: CommOp,
+    ) -> Result<HostBuf, CommError> {
+        let data = self.read(tensor, action)?;
+        HostBuf::from_data(data).map_err(|reason| self.data_error(action, reason))
+    }
+
+    fn send_part(
         &self,
         group: Group,
         action: CommOp,
-        tensor: Tensor<B, D>,
-        combine: Combine,
-    ) -> Result<Posted, CommError> {
-        let shape = tensor.dims().to_vec();
-        let mine = self.read_host(tensor, action)?;
-        let payload = Payload::Shared(Arc::clone(&mine));
-        let seq = self
-            .mbox
-            .post_collective(group, action, &shape, payload, &self.others(group))?;
-        Ok(Posted {
-            rank: self.mbox.rank(),
-            group,
-            action,
-            shape,
-            seq,
-            mine,
-            combine,
-        })
+        shape: &[usize],
+        mine: &Arc<HostBuf>,
+    ) -> Result<u64, CommError> {
+        let payload = Payload::Shared(Arc::clone(mine));
+        self.mbox
+            .post_collective(group, action, shape, payload, &self.others(group))
     }
 
-    fn complete<const D: usize>(&self, posted: Posted) -> Result<Tensor<B, D>, CommError> {
-        let Posted {
-            group,
-            action,
-            shape,
-            seq,
-            mine,
-            combine,
-            ..
-        } = posted;
-        let members = self.group_members(group);
+    fn receive_parts(&self, posted: &Posted) -> Result<Vec<(usize, Arc<HostBuf>)>, CommError> {
+        let (group, action) = (posted.group, posted.action);
         let others = self.others(group);
-        let received = self.mbox.collect(group, action, &shape, seq, &others)?;
-        let mut received = others.iter().copied().zip(received);
-        let mut parts = Vec::with_capacity(members.len());
-        for &member in &members {
-            if member == self.mbox.rank() {
-                parts.push(Arc::clone(&mine));
-                continue;
-            }
-            match received.next() {
-                Some((src, Payload::Shared(buf))) if src == member => parts.push(buf),
-                _ => {
-                    return Err(
-                        self.data_error(action, format!("no contribution from rank {member}"))
-                    );
-                }
-            }
-        }
-        // Every caller combines element-wise or concatenates equal shards: shapes must agree.
-        for (part, &member) in parts.iter().zip(&members) {
-            if part.shape != shape {
-                return Err(self.shape_mismatch(member, action, &shape, &part.shape));
-            }
-        }
-        let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
-        let out = combine.apply(&refs).map_err(|(i, reason)| {
-            self.data_error(action, format!("rank {}: {reason}", members[i]))
-        })?;
-        Ok(self.build_tensor(out.into_data()))
+        let received = self
+            .mbox
+            .collect(group, action, &posted.shape, posted.seq, &others)?;
+        others
+            .into_iter()
+            .zip(received)
+            .map(|(src, payload)| match payload {
+                Payload::Shared(part) => Ok((src, part)),
+                _ => Err(self.data_error(action, format!("no contribution from rank {src}"))),
+            })
+            .collect()
     }
 }
 

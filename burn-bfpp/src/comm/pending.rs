@@ -237,8 +237,9 @@ fn not_started_here(posted: &Posted) -> String {
     )
 }
 
-/// The host-side communicators' half-collectives, from which [`begin`], [`start`] and
-/// [`finish`] build their collectives (`LocalComm` and `ProcessComm` share them).
+/// The host-side communicators' transport of collective parts, from which [`begin`],
+/// [`start`], [`finish`] and [`all_reduce`] build their collectives (`LocalComm` and
+/// `ProcessComm` share them).
 pub(crate) trait PostAndCollect<B: Backend>: Communicator<B> {
     /// Whether [`Communicator::start`] should return before the peers' parts arrive
     /// ([`super::CommConfig::overlap_collectives`]).
@@ -247,18 +248,95 @@ pub(crate) trait PostAndCollect<B: Backend>: Communicator<B> {
     fn check_call(&self, action: CommOp, shape: &[usize]) -> Result<(), CommError>;
     /// Counts a collective that needs no messages, so that the members stay in step.
     fn skip_seq(&self, group: Group);
-    /// Records an invalid call as this rank's failure and returns it.
-    fn invalid_call(&self, action: CommOp, reason: String) -> CommError;
-    /// Posts `tensor` as this rank's part of the next collective on `group`.
-    fn post_part<const D: usize>(
+    /// Records `err` as this rank's failure (aborting the world) and returns it.
+    fn fail_call(&self, err: CommError) -> CommError;
+    /// Reads a contribution into host memory.
+    fn read_part<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        action: CommOp,
+    ) -> Result<HostBuf, CommError>;
+    /// Sends `mine` to the other members of `group` as this rank's part of the group's next
+    /// collective; returns that collective's index. Never blocks.
+    fn send_part(
         &self,
         group: Group,
         action: CommOp,
-        tensor: Tensor<B, D>,
-        combine: Combine,
-    ) -> Result<Posted, CommError>;
-    /// Waits for the other members' parts of `posted` and combines them.
-    fn complete<const D: usize>(&self, posted: Posted) -> Result<Tensor<B, D>, CommError>;
+        shape: &[usize],
+        mine: &Arc<HostBuf>,
+    ) -> Result<u64, CommError>;
+    /// Waits for the other members' parts of `posted`; returns them in group-rank order, each
+    /// with the world rank it came from.
+    fn receive_parts(&self, posted: &Posted) -> Result<Vec<(usize, Arc<HostBuf>)>, CommError>;
+}
+
+/// Posts `tensor` as this rank's part of the next collective on `group`.
+fn post<B: Backend, C: PostAndCollect<B>, const D: usize>(
+    comm: &C,
+    group: Group,
+    action: CommOp,
+    tensor: Tensor<B, D>,
+    combine: Combine,
+) -> Result<Posted, CommError> {
+    let shape = tensor.dims().to_vec();
+    let mine = Arc::new(comm.read_part(tensor, action)?);
+    let seq = comm.send_part(group, action, &shape, &mine)?;
+    Ok(Posted {
+        rank: comm.rank(),
+        group,
+        action,
+        shape,
+        seq,
+        mine,
+        combine,
+    })
+}
+
+/// Waits for the other members' parts of `posted` and combines all parts in group-rank order.
+fn complete<B: Backend, C: PostAndCollect<B>, const D: usize>(
+    comm: &C,
+    posted: Posted,
+) -> Result<Tensor<B, D>, CommError> {
+    let (rank, action) = (comm.rank(), posted.action);
+    let data_error = |reason: String| {
+        comm.fail_call(CommError::Data {
+            rank,
+            action,
+            reason,
+        })
+    };
+    let members = comm.group_members(posted.group);
+    let mut theirs = comm.receive_parts(&posted)?.into_iter();
+    let mut parts = Vec::with_capacity(members.len());
+    for &member in &members {
+        let part = if member == rank {
+            Arc::clone(&posted.mine)
+        } else {
+            match theirs.next() {
+                Some((src, part)) if src == member => part,
+                _ => return Err(data_error(format!("no contribution from rank {member}"))),
+            }
+        };
+        // Every collective combines element-wise or concatenates equal shards.
+        if part.shape != posted.shape {
+            return Err(comm.fail_call(CommError::ShapeMismatch {
+                rank,
+                peer: member,
+                action,
+                expected: posted.shape.clone(),
+                actual: part.shape.clone(),
+            }));
+        }
+        parts.push(part);
+    }
+    let refs: Vec<&HostBuf> = parts.iter().map(|p| p.as_ref()).collect();
+    let out = posted
+        .combine
+        .apply(&refs)
+        .map_err(|(i, reason)| data_error(format!("rank {}: {reason}", members[i])))?
+        .into_data();
+    let dtype = out.dtype;
+    Ok(Tensor::from_data(out, (comm.device(), dtype)))
 }
 
 /// Posts this rank's part of `collective` (or completes it at once for a group of one).
@@ -270,14 +348,18 @@ pub(crate) fn begin<B: Backend, C: PostAndCollect<B>>(
     let shape = collective.input_dims();
     comm.check_call(action, &shape)?;
     match collective.plan(comm.grid(), comm.rank()) {
-        Err(reason) => Err(comm.invalid_call(action, reason)),
+        Err(reason) => Err(comm.fail_call(CommError::InvalidArgument {
+            rank: comm.rank(),
+            action,
+            reason,
+        })),
         Ok(Exchange::Trivial(result)) => {
             comm.skip_seq(group);
             Ok(Pending::done(result))
         }
-        Ok(Exchange::Members(tensor, combine)) => Ok(Pending::posted(
-            comm.post_part(group, action, tensor, combine)?,
-        )),
+        Ok(Exchange::Members(tensor, combine)) => {
+            Ok(Pending::posted(post(comm, group, action, tensor, combine)?))
+        }
     }
 }
 
@@ -303,9 +385,13 @@ pub(crate) fn finish<B: Backend, C: PostAndCollect<B>>(
     match pending.into_state() {
         Ok(result) => Ok(result),
         Err(posted) if posted.rank != comm.rank() => {
-            Err(comm.invalid_call(posted.action, not_started_here(&posted)))
+            Err(comm.fail_call(CommError::InvalidArgument {
+                rank: comm.rank(),
+                action: posted.action,
+                reason: not_started_here(&posted),
+            }))
         }
-        Err(posted) => comm.complete(posted),
+        Err(posted) => complete(comm, posted),
     }
 }
 
@@ -328,5 +414,5 @@ pub(crate) fn all_reduce<B: Backend, C: PostAndCollect<B>, const D: usize>(
         range: 0..shape.iter().product(),
         out_shape: shape,
     };
-    comm.complete(comm.post_part(group, action, tensor, combine)?)
+    complete(comm, post(comm, group, action, tensor, combine)?)
 }

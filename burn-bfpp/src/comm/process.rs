@@ -29,7 +29,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::host::HostBuf;
-use super::pending::{Combine, PostAndCollect, Posted};
+use super::pending::{PostAndCollect, Posted};
 use super::wire::{self, Message, Payload, Stream};
 use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid};
 
@@ -403,79 +403,51 @@ impl<B: Backend, T: Transport> PostAndCollect<B> for ProcessComm<B, T> {
         self.next_seq(group);
     }
 
-    fn invalid_call(&self, action: CommOp, reason: String) -> CommError {
-        self.fail(CommError::InvalidArgument {
-            rank: self.rank,
-            action,
-            reason,
-        })
+    fn fail_call(&self, err: CommError) -> CommError {
+        self.fail(err)
     }
 
-    fn post_part<const D: usize>(
+    fn read_part<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        action: CommOp,
+    ) -> Result<HostBuf, CommError> {
+        self.read_host(tensor, action)
+    }
+
+    fn send_part(
         &self,
         group: Group,
         action: CommOp,
-        tensor: Tensor<B, D>,
-        combine: Combine,
-    ) -> Result<Posted, CommError> {
-        let shape = tensor.dims().to_vec();
-        let mine = Payload::Tensor(self.read_host(tensor, action)?);
+        _shape: &[usize],
+        mine: &Arc<HostBuf>,
+    ) -> Result<u64, CommError> {
         let seq = self.next_seq(group);
         let stream = Stream::Collective(group, seq);
+        // The wire format owns its payload: one copy, encoded once per member.
+        let payload = Payload::Tensor(HostBuf::clone(mine));
         for &m in self
             .group_members(group)
             .iter()
             .filter(|&&m| m != self.rank)
         {
-            self.post_data(m, stream, action, &mine)?;
+            self.post_data(m, stream, action, &payload)?;
         }
-        let Payload::Tensor(mine) = mine else {
-            return Err(self.data(action, "own contribution lost".into()));
-        };
-        Ok(Posted {
-            rank: self.rank,
-            group,
-            action,
-            shape,
-            seq,
-            mine: Arc::new(mine),
-            combine,
-        })
+        Ok(seq)
     }
 
-    fn complete<const D: usize>(&self, posted: Posted) -> Result<Tensor<B, D>, CommError> {
-        let Posted {
-            group,
-            action,
-            shape,
-            seq,
-            mine,
-            combine,
-            ..
-        } = posted;
-        let stream = Stream::Collective(group, seq);
-        let members = self.group_members(group);
-        let mut theirs = Vec::with_capacity(members.len());
-        for &m in members.iter().filter(|&&m| m != self.rank) {
-            let payload = self.wait(m, stream, action, &shape)?;
-            theirs.push(self.expect_tensor(payload, m, action, &shape)?);
-        }
-        let mut theirs = theirs.iter();
-        let parts: Vec<&HostBuf> = members
-            .iter()
-            .map(|&m| {
-                if m == self.rank {
-                    Some(mine.as_ref())
-                } else {
-                    theirs.next()
-                }
+    fn receive_parts(&self, posted: &Posted) -> Result<Vec<(usize, Arc<HostBuf>)>, CommError> {
+        let (action, shape) = (posted.action, &posted.shape);
+        let stream = Stream::Collective(posted.group, posted.seq);
+        let members = self.group_members(posted.group);
+        members
+            .into_iter()
+            .filter(|&m| m != self.rank)
+            .map(|m| {
+                let payload = self.wait(m, stream, action, shape)?;
+                Ok((m, Arc::new(self.expect_tensor(payload, m, action, shape)?)))
             })
-            .collect::<Option<_>>()
-            .ok_or_else(|| self.data(action, "a member's contribution is missing".into()))?;
-        let out = combine.apply(&parts).map_err(|(i, reason)| {
-            self.fail(self.data(action, format!("rank {}: {reason}", members[i])))
-        })?;
-        Ok(self.build_tensor(out.into_data()))
+            .collect()
     }
 }
 
