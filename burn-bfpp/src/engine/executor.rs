@@ -216,22 +216,7 @@ where
         let program = std::mem::take(&mut self.program);
         let result: Result<(), EngineError> = program.iter().try_for_each(|&action| {
             self.finish_needed_by(step, action)?;
-            let start = self.epoch.elapsed().as_secs_f64();
-            self.run(action, batch)
-                .map_err(|source| EngineError::Action {
-                    rank: self.comm.rank(),
-                    step,
-                    action,
-                    source: Box::new(source),
-                })?;
-            let end = self.epoch.elapsed().as_secs_f64();
-            self.events.push(TimedEvent {
-                step,
-                action,
-                start,
-                end,
-            });
-            Ok(())
+            self.timed(step, action, |exec| exec.run(action, batch))
         });
         self.program = program;
         result?;
@@ -562,26 +547,36 @@ where
             let Some(InFlight { action, pending }) = self.in_flight.pop_front() else {
                 break;
             };
-            let start = self.epoch.elapsed().as_secs_f64();
-            let finished = self
-                .comm
-                .finish(pending)
-                .map_err(EngineError::from)
-                .and_then(|result| self.use_result(action, result));
-            finished.map_err(|source| EngineError::Action {
-                rank: self.comm.rank(),
-                step,
-                action,
-                source: Box::new(source),
+            self.timed(step, action, |exec| {
+                let result = exec.comm.finish(pending)?;
+                exec.use_result(action, result)
             })?;
-            let end = self.epoch.elapsed().as_secs_f64();
-            self.events.push(TimedEvent {
-                step,
-                action,
-                start,
-                end,
-            });
         }
+        Ok(())
+    }
+
+    /// Runs `work` on behalf of `action` of `step`: its time goes into the timeline under
+    /// `action`, and its error names the rank, the step and `action`.
+    fn timed(
+        &mut self,
+        step: usize,
+        action: Action,
+        work: impl FnOnce(&mut Self) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        let start = self.epoch.elapsed().as_secs_f64();
+        work(self).map_err(|source| EngineError::Action {
+            rank: self.comm.rank(),
+            step,
+            action,
+            source: Box::new(source),
+        })?;
+        let end = self.epoch.elapsed().as_secs_f64();
+        self.events.push(TimedEvent {
+            step,
+            action,
+            start,
+            end,
+        });
         Ok(())
     }
 
