@@ -187,7 +187,7 @@ fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
         let log = output_text(out);
         assert!(!out.status.success(), "rank {rank} succeeded:\n{log}");
         assert!(
-            log.contains("rank 1 has exited"),
+            log.contains("the connection to rank 1 ended"),
             "rank {rank} does not name rank 1:\n{log}"
         );
     }

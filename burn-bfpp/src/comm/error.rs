@@ -62,6 +62,24 @@ pub enum CommError {
         /// Shape of this rank's tensor in the call.
         shape: Vec<usize>,
     },
+    /// The connection to a peer process ended before the call could complete: the peer's
+    /// process exited (or crashed), or the network between the two failed.
+    #[error(
+        "rank {rank}: {action} (shape {shape:?}) cannot complete: the connection to rank {peer} \
+         ended ({reason}); rank {peer}'s process exited or the network between them failed"
+    )]
+    ConnectionLost {
+        /// The rank that was waiting.
+        rank: usize,
+        /// The rank at the other end of the connection.
+        peer: usize,
+        /// The call that cannot complete.
+        action: CommOp,
+        /// Shape of this rank's tensor in the call.
+        shape: Vec<usize>,
+        /// What the transport saw (end of stream, a read error).
+        reason: String,
+    },
     /// A peer contributed a tensor whose shape differs from this rank's.
     #[error(
         "rank {rank}: {action}: rank {peer} sent shape {actual:?} but this rank expects {expected:?}"

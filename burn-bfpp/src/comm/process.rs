@@ -17,7 +17,8 @@
 //! Fail-stop: the first error a rank meets (or [`Communicator::abort`]) is recorded and sent to
 //! every other rank as an abort notice; they fail their current or next call with
 //! [`CommError::PeerFailed`] naming it. A transport that sees a peer's process go away (TCP)
-//! fails a wait on that peer at once with [`CommError::PeerExited`] instead of at the timeout.
+//! fails a wait on that peer at once with [`CommError::ConnectionLost`] instead of at the
+//! timeout.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -309,13 +310,15 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
                 }
                 return Ok(payload);
             }
-            if self.state.borrow().lost.contains_key(&peer) {
+            let lost = self.state.borrow().lost.get(&peer).cloned();
+            if let Some(reason) = lost {
                 // Everything the peer sent arrived before its connection ended.
-                return Err(self.fail(CommError::PeerExited {
+                return Err(self.fail(CommError::ConnectionLost {
                     rank: self.rank,
                     peer,
                     action,
                     shape: shape.to_vec(),
+                    reason,
                 }));
             }
             let after = start.elapsed();

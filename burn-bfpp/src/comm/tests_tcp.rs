@@ -132,7 +132,7 @@ fn a_rank_whose_process_goes_away_is_reported_at_once_not_at_the_timeout() {
     assert!(
         matches!(
             &results[1],
-            Err(CommError::PeerExited {
+            Err(CommError::ConnectionLost {
                 rank: 1,
                 peer: 2,
                 ..
