@@ -24,6 +24,7 @@
 pub mod autodiff;
 mod error;
 mod gpt;
+mod gpt_layers;
 mod params;
 mod placement;
 mod split;
