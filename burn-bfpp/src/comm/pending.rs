@@ -4,7 +4,8 @@
 //! Between the two the rank computes, so the wait for the slowest replica (and on a network,
 //! the transfer) overlaps its own work instead of stalling it: the engine starts a stage's
 //! all-gather where the lowered list says `UNSHARD` and finishes it before the stage's next
-//! compute, and finishes each `REDUCE_GRAD` only before the optimizer step.
+//! compute, and finishes each `REDUCE_GRAD` when the next one starts or, for the step's last,
+//! before the optimizer step.
 //!
 //! Only *when* a rank waits changes: the contributions and the group-rank-ordered reduction
 //! are the same, so results are bitwise those of the blocking calls. Finishing later never
