@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Overlapped against waiting data-parallel collectives, on this machine: alternates runs of
 # `bfpp train` with and without --no-overlap (ranks as threads, then as processes over TCP)
-# and prints each run's tokens/s and the ratio of the medians. Results are bitwise equal,
-# so only the time differs.
+# and prints each run's tokens/s and mean collective share (the ranks' share of list time in
+# data-parallel gathers and reductions), then the ratio of the medians. Results are bitwise
+# equal, so only the time differs.
 #
 #   cargo build --release && bash scripts/overlap-bench.sh [PAIRS] [STEPS] [extra train flags…]
 #
@@ -19,7 +20,12 @@ bin=${BFPP:-target/release/bfpp}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-tokens() { grep -o '"tokens_per_s":[0-9.]*' | cut -d: -f2; }
+tokens() { grep -o '"tokens_per_s":[0-9.]*' "$1" | cut -d: -f2; }
+# Mean over the ranks of `collective_share`, in percent.
+share() {
+  grep -o '"collective_share":\[[^]]*\]' "$1" | sed 's/.*\[//; s/\]//' | tr ',' '\n' |
+    awk '{s += $1; n++} END {printf "%.1f", 100 * s / n}'
+}
 median() { sort -g | awk '{v[NR]=$1} END {print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
 
 for mode in ${MODES:-threads processes}; do
@@ -29,11 +35,12 @@ for mode in ${MODES:-threads processes}; do
       flags=(--steps "$steps" --json --out-dir "$out/run" "$@")
       [ "$variant" = off ] && flags+=(--no-overlap)
       if [ "$mode" = threads ]; then
-        t=$("$bin" train "${flags[@]}" 2>/dev/null | tokens)
+        "$bin" train "${flags[@]}" >"$out/json" 2>/dev/null
       else
-        t=$("$bin" launch --nproc 4 --via tcp -- train "${flags[@]}" 2>/dev/null | tokens)
+        "$bin" launch --nproc 4 --via tcp -- train "${flags[@]}" >"$out/json" 2>/dev/null
       fi
-      echo "$mode pair $i overlap $variant: $t tokens/s"
+      t=$(tokens "$out/json")
+      echo "$mode pair $i overlap $variant: $t tokens/s, collectives $(share "$out/json") % of list time"
       echo "$t" >>"$out/$variant"
     done
   done

@@ -87,6 +87,7 @@ fn json_report_has_exactly_the_documented_keys() {
     assert_eq!(
         keys,
         [
+            "collective_share",
             "losses",
             "param_l2_norm",
             "peak_param_bytes",
@@ -109,6 +110,15 @@ fn json_report_has_exactly_the_documented_keys() {
     let peaks = doc["peak_param_bytes"].as_array().expect("an array");
     assert_eq!(peaks.len(), 4);
     assert!(peaks.iter().all(|b| b.as_u64().is_some_and(|b| b > 0)));
+    // Every rank of the default layout (dp 2, ZeRO-3) gathers and reduces, and computes too.
+    let shares = doc["collective_share"].as_array().expect("an array");
+    assert_eq!(shares.len(), 4);
+    assert!(
+        shares
+            .iter()
+            .all(|f| f.as_f64().is_some_and(|f| f > 0.0 && f < 1.0)),
+        "{shares:?}"
+    );
     let svg = std::fs::read_to_string(doc["timeline_svg"].as_str().expect("a path"))
         .expect("timeline written");
     assert!(svg.contains("<svg"), "not an SVG: {svg:.100}");

@@ -11,7 +11,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend as BackendTrait;
 use burn::tensor::Tensor;
 use burn_bfpp::data::BatchLayout;
-use burn_bfpp::engine::{EngineConfig, StepReport, TimedEvent, TrainOutcome};
+use burn_bfpp::engine::{collective_share, EngineConfig, StepReport, TimedEvent, TrainOutcome};
 use burn_bfpp::viz;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -356,6 +356,8 @@ pub struct Summary {
     step_time_s: f64,
     elapsed_s: f64,
     peak_param_bytes: Vec<usize>,
+    /// Each rank's share of its list time in data-parallel collectives.
+    collective_share: Vec<f64>,
     entropy_rate: Option<f64>,
     files: TimelineFiles,
     metrics: PathBuf,
@@ -380,6 +382,7 @@ impl Summary {
             step_time_s: elapsed_s / steps.max(1) as f64,
             elapsed_s,
             peak_param_bytes: outcome.peak_param_bytes.clone(),
+            collective_share: collective_share(&outcome.timelines),
             entropy_rate,
             files,
             metrics: metrics.to_path_buf(),
@@ -388,9 +391,9 @@ impl Summary {
     }
 
     /// The `--json` object: exactly `losses` (`null` for a step whose loss was not
-    /// finite), `param_l2_norm`, `tokens_per_s`, `peak_param_bytes`, `timeline_svg`,
-    /// `trace_json` and `skipped_steps` (steps whose update was skipped, see
-    /// `--on-nonfinite`).
+    /// finite), `param_l2_norm`, `tokens_per_s`, `peak_param_bytes`, `collective_share`
+    /// (each rank's share of its list time in data-parallel collectives), `timeline_svg`, `trace_json`
+    /// and `skipped_steps` (steps whose update was skipped, see `--on-nonfinite`).
     pub fn json(&self) -> String {
         let doc = json!({
             "losses": self.losses,
@@ -398,6 +401,7 @@ impl Summary {
             "param_l2_norm": self.param_l2_norm,
             "tokens_per_s": self.tokens_per_s,
             "peak_param_bytes": self.peak_param_bytes,
+            "collective_share": self.collective_share,
             "timeline_svg": self.files.svg.display().to_string(),
             "trace_json": self.files.trace.display().to_string(),
         });
@@ -441,6 +445,16 @@ impl Summary {
             .map(|(rank, &b)| format!("rank {rank} {:.1} KiB", b as f64 / 1024.0))
             .collect();
         out += &format!("peak params  {}\n", peaks.join(", "));
+        let shares: Vec<String> = self
+            .collective_share
+            .iter()
+            .enumerate()
+            .map(|(rank, &f)| format!("rank {rank} {:.1} %", 100.0 * f))
+            .collect();
+        out += &format!(
+            "collectives  {} of each rank's list time (gathers, reductions)\n",
+            shares.join(", ")
+        );
         out += &format!(
             "param norm   {:.4} (L2 over all parameters)\n",
             self.param_l2_norm

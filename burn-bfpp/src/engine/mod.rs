@@ -27,7 +27,7 @@ pub use error::EngineError;
 pub use multiprocess::{train_processes, train_processes_with};
 pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
 pub use precision::{LossScaling, Precision, ScalerState};
-pub use profile::StepProfile;
+pub use profile::{collective_share, StepProfile};
 pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
 pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};

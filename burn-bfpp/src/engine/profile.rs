@@ -128,6 +128,32 @@ impl StepProfile {
     }
 }
 
+/// For each rank of `timelines`, the share of its time in list actions that went to its
+/// data-parallel collectives (`UNSHARD`, `RESHARD`, `REDUCE_GRAD`: their starts, and the waits
+/// for those that overlapped compute): what overlapping them and a faster network can take
+/// away. Receives are left out: their time is mostly the pipeline's bubble (waiting for the
+/// sender), which [`StepProfile`] measures. 0 for a rank that recorded nothing.
+pub fn collective_share(timelines: &[Vec<TimedEvent>]) -> Vec<f64> {
+    timelines
+        .iter()
+        .map(|events| {
+            let (mut collective, mut all) = (0.0, 0.0);
+            for e in events {
+                let took = (e.end - e.start).max(0.0);
+                all += took;
+                if e.action.kind.is_collective() {
+                    collective += took;
+                }
+            }
+            if all > 0.0 {
+                collective / all
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
 /// The send whose message the receive `a` takes, if `a` is a receive.
 fn matching_send(a: Action) -> Option<Action> {
     let m = a.microbatch?;
@@ -189,5 +215,24 @@ mod tests {
         assert_eq!(d(recv), 0.25);
         assert_eq!(d(Action::forward(1, 0)), 1.25);
         assert!(StepProfile::measure(&timelines, 2, 3).is_none());
+    }
+
+    /// A collective that overlapped compute has a start and a wait event; the rank spent both.
+    #[test]
+    fn an_overlapped_collective_is_charged_its_start_and_its_wait() {
+        let reduce = Action::collective(0, ActionKind::ReduceGrad);
+        let timelines = vec![vec![
+            event(1, Action::backward(0, 0), 0.0, 2.0),
+            event(1, reduce, 2.0, 2.5),
+            event(1, Action::backward(0, 1), 2.5, 4.5),
+            event(1, Action::new(0, ActionKind::SendBackward, 1), 4.5, 4.75),
+            event(1, reduce, 4.75, 5.5),
+        ]];
+        let p = StepProfile::measure(&timelines, 1, 1).expect("step 1 ran");
+        assert_eq!(p.durations[&reduce], 0.5 + 0.75);
+        assert_eq!(p.compute, vec![4.0]);
+        // The send is not a data-parallel collective.
+        assert_eq!(collective_share(&timelines), vec![1.25 / 5.5]);
+        assert_eq!(collective_share(&[Vec::new()]), vec![0.0]);
     }
 }
