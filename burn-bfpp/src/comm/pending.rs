@@ -256,7 +256,7 @@ pub(crate) trait PostAndCollect<B: Backend>: Communicator<B> {
         &self,
         tensor: Tensor<B, D>,
         action: CommOp,
-    ) -> Result<HostBuf, CommError>;
+    ) -> Result<Arc<HostBuf>, CommError>;
     /// Sends `mine` to the other members of `group` as this rank's part of the group's next
     /// collective; returns that collective's index. Never blocks.
     fn send_part(
@@ -280,7 +280,7 @@ fn post<B: Backend, C: PostAndCollect<B>, const D: usize>(
     combine: Combine,
 ) -> Result<Posted, CommError> {
     let shape = tensor.dims().to_vec();
-    let mine = Arc::new(comm.read_part(tensor, action)?);
+    let mine = comm.read_part(tensor, action)?;
     let seq = comm.send_part(group, action, &shape, &mine)?;
     Ok(Posted {
         rank: comm.rank(),

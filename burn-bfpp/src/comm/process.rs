@@ -414,8 +414,8 @@ impl<B: Backend, T: Transport> PostAndCollect<B> for ProcessComm<B, T> {
         &self,
         tensor: Tensor<B, D>,
         action: CommOp,
-    ) -> Result<HostBuf, CommError> {
-        self.read_host(tensor, action)
+    ) -> Result<Arc<HostBuf>, CommError> {
+        self.read_host(tensor, action).map(Arc::new)
     }
 
     fn send_part(
