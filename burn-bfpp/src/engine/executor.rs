@@ -7,14 +7,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 
 use super::nonfinite::{NonFinitePolicy, NonFiniteReport, GRADIENT, LOSS};
 use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
 use super::stage::{in_dtype, pad, LocalStage};
 use super::{EngineError, TimedEvent};
-use crate::comm::{Collective, Communicator, Group, Pending, ReduceOp};
+use crate::comm::{Communicator, Group, ReduceOp};
 use crate::model::{
     autodiff_lock, flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward,
     release_params, stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
@@ -23,6 +23,9 @@ use crate::optim::{clip_coefficient, clip_grad, sq_norm};
 use crate::schedule::{Action, ActionKind, ZeroLevel};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+
+mod collectives;
+use collectives::InFlight;
 
 /// A stage run: the module copy it used, its input leaf (if not the first stage), its output.
 type StageRun<B, S> = (S, Option<Tensor<B, 3>>, StageOutput<B>);
@@ -110,13 +113,6 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     scaler: LossScaler,
     /// Data-parallel collectives started and not yet finished, oldest first.
     in_flight: VecDeque<InFlight<Inner<B>>>,
-}
-
-/// A collective started by `UNSHARD` or `REDUCE_GRAD` whose result is not yet used.
-struct InFlight<B: Backend> {
-    /// The action that started it, which also names its waits.
-    action: Action,
-    pending: Pending<B>,
 }
 
 impl<'c, B, S, C> RankExecutor<'c, B, S, C>
@@ -455,102 +451,6 @@ where
             } else {
                 self.to_send_backward.insert((s, m), g);
             }
-        }
-        Ok(())
-    }
-
-    /// Starts the all-gather of the stage's shards; [`Self::finish_collectives`] puts the
-    /// result into its module before the stage computes.
-    fn unshard(&mut self, s: usize) -> Result<(), EngineError> {
-        let comm = self.comm;
-        let shard = self.stage_mut(s)?.owned.clone();
-        let pending = comm.start(Collective::AllGather {
-            group: Group::DataParallel,
-            shard,
-        })?;
-        self.started(Action::collective(s, ActionKind::Unshard), pending)
-    }
-
-    /// Starts the reduction of the gradients accumulated since the last reduction:
-    /// all-reduce at ZeRO-0, reduce-scatter into the owned shard above; the mean over the
-    /// data-parallel group.
-    fn reduce_grad(&mut self, s: usize) -> Result<(), EngineError> {
-        let comm = self.comm;
-        let stage = self.stage_mut(s)?;
-        let tensor = stage.grad_window.take().ok_or(EngineError::Missing {
-            what: "accumulated gradient",
-            stage: s,
-            microbatch: 0,
-        })?;
-        let (group, op) = (Group::DataParallel, ReduceOp::Mean);
-        let pending = comm.start(if stage.layout.sharded {
-            Collective::ReduceScatter { group, tensor, op }
-        } else {
-            Collective::AllReduce { group, tensor, op }
-        })?;
-        self.started(Action::collective(s, ActionKind::ReduceGrad), pending)
-    }
-
-    /// Uses the result of a collective that completed as it started, or keeps it in flight.
-    fn started(&mut self, action: Action, pending: Pending<Inner<B>>) -> Result<(), EngineError> {
-        if pending.in_flight() {
-            self.in_flight.push_back(InFlight { action, pending });
-            Ok(())
-        } else {
-            let result = self.comm.finish(pending)?;
-            self.use_result(action, result)
-        }
-    }
-
-    /// Puts a finished collective's result where it belongs: an all-gather's into the
-    /// stage's module, a reduction's into the stage's reduced gradients.
-    fn use_result(
-        &mut self,
-        action: Action,
-        result: Tensor<Inner<B>, 1>,
-    ) -> Result<(), EngineError> {
-        let stage = self.stage_mut(action.stage)?;
-        if action.kind == ActionKind::Unshard {
-            stage.refill(result)?;
-            stage.gathered = true;
-            self.note_memory();
-        } else {
-            stage.grad_owned = Some(match stage.grad_owned.take() {
-                Some(acc) => acc + result,
-                None => result,
-            });
-        }
-        Ok(())
-    }
-
-    /// Finishes the collectives `action` needs before it runs: a stage's all-gather before
-    /// the stage computes or frees its weights, and the previous reduction before the next
-    /// one starts (so at most one full gradient buffer waits on its peers).
-    fn finish_needed_by(&mut self, step: usize, action: Action) -> Result<(), EngineError> {
-        let needs = |started: &Action| match action.kind {
-            ActionKind::ReduceGrad => started.kind == ActionKind::ReduceGrad,
-            kind if kind.is_compute() || kind == ActionKind::Reshard => {
-                started.kind == ActionKind::Unshard && started.stage == action.stage
-            }
-            _ => false,
-        };
-        match self.in_flight.iter().rposition(|f| needs(&f.action)) {
-            Some(last) => self.finish_collectives(step, last + 1),
-            None => Ok(()),
-        }
-    }
-
-    /// Finishes the `count` oldest collectives in flight, in the order they started (as every
-    /// member must), recording each wait under the action that started it.
-    fn finish_collectives(&mut self, step: usize, count: usize) -> Result<(), EngineError> {
-        for _ in 0..count {
-            let Some(InFlight { action, pending }) = self.in_flight.pop_front() else {
-                break;
-            };
-            self.timed(step, action, |exec| {
-                let result = exec.comm.finish(pending)?;
-                exec.use_result(action, result)
-            })?;
         }
         Ok(())
     }
