@@ -21,7 +21,7 @@
 //! timeout.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,6 +43,13 @@ const YIELDING_POLLS: u32 = 32;
 /// How long a dropped communicator waits for its last sends (abort notices above all) to
 /// leave before giving up on them.
 const FLUSH_LIMIT: Duration = Duration::from_secs(5);
+
+/// How long the rank that failed first waits for its peers to pass the failure back.
+const ACK_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long it stays after they all did: time for them to report before `mpirun` (which ends
+/// the job when one process exits with an error) stops them.
+const LINGER: Duration = Duration::from_millis(250);
 
 mod ops;
 pub use ops::ProcessRank;
@@ -92,6 +99,9 @@ struct State {
     failure: Option<(usize, String)>,
     /// Whether this rank passed a failure it learned from another rank on to the others.
     forwarded: bool,
+    /// Ranks an abort notice arrived from: a rank that failed waits for every peer's notice
+    /// (see [`ProcessComm`]'s `Drop`).
+    heard_from: HashSet<usize>,
 }
 
 /// A rank of a world whose ranks are processes, exchanging messages over the transport `T`;
@@ -182,25 +192,26 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         }
     }
 
-    /// Passes a failure learned from another rank on to every rank but the failed one, once.
+    /// Passes a failure learned from another rank on to every other rank, once.
     ///
     /// This rank is about to stop, and its peers may notice that (its connection ending)
     /// before the failed rank's own notice reaches them; the copy sent here travels ahead of
-    /// that on the same connection, so they report the root cause, not this rank's exit.
+    /// that on the same connection, so they report the root cause, not this rank's exit. The
+    /// copy to the failed rank tells it this rank knows, so it can exit (see `Drop`).
     fn forward_failure(&self) {
         let notice = {
             let mut state = self.state.borrow_mut();
             let notice = match &state.failure {
                 Some((failed, cause)) if *failed != self.rank && !state.forwarded => {
-                    Some((*failed, wire::encode_abort(*failed, cause)))
+                    Some(wire::encode_abort(*failed, cause))
                 }
                 _ => None,
             };
             state.forwarded |= notice.is_some();
             notice
         };
-        if let Some((failed, bytes)) = notice {
-            for peer in (0..self.grid.world_size()).filter(|&p| p != self.rank && p != failed) {
+        if let Some(bytes) = notice {
+            for peer in (0..self.grid.world_size()).filter(|&p| p != self.rank) {
                 self.post(peer, bytes.clone());
             }
         }
@@ -261,6 +272,7 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
                         .push_back((op, payload)),
                     Ok(Message::Abort { rank, cause }) => {
                         state.failure.get_or_insert((rank, cause));
+                        state.heard_from.insert(from);
                     }
                     Err(reason) => {
                         state.failure.get_or_insert((
@@ -454,6 +466,40 @@ impl<B: Backend, T: Transport> PostAndCollect<B> for ProcessComm<B, T> {
     }
 }
 
+impl<B: Backend, T: Transport> ProcessComm<B, T> {
+    /// On the rank that failed first: waits (at most [`ACK_LIMIT`], or the timeout if shorter)
+    /// until every peer has passed the failure back or is gone, then [`LINGER`] more.
+    ///
+    /// A peer learns of the failure only at its next communication call, and under `mpirun`
+    /// this process's exit gets the others killed at once: leaving before they heard would
+    /// take their own error (naming this rank) with them.
+    fn wait_for_peers_to_hear(&self) {
+        let failed_here = matches!(&self.state.borrow().failure, Some((r, _)) if *r == self.rank);
+        if !failed_here {
+            return;
+        }
+        let limit = self.config.timeout.min(ACK_LIMIT);
+        let start = Instant::now();
+        let all_heard = || {
+            let state = self.state.borrow();
+            (0..self.grid.world_size())
+                .filter(|&p| p != self.rank)
+                .all(|p| state.heard_from.contains(&p) || state.lost.contains_key(&p))
+        };
+        loop {
+            self.progress();
+            if all_heard() {
+                std::thread::sleep(LINGER);
+                return;
+            }
+            if start.elapsed() >= limit {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
 impl<B: Backend, T: Transport> Drop for ProcessComm<B, T> {
     fn drop(&mut self) {
         // Abort notices must leave before this process exits.
@@ -466,6 +512,7 @@ impl<B: Backend, T: Transport> Drop for ProcessComm<B, T> {
         if self.transport.get_mut().sends_in_flight() {
             self.transport.get_mut().abandon();
         }
+        self.wait_for_peers_to_hear();
     }
 }
 

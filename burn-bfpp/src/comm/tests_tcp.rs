@@ -243,11 +243,47 @@ fn a_failure_learned_from_a_peer_is_passed_on_once_before_this_rank_stops() {
             "{err}"
         );
     }
-    // Ranks 0 and 3 get the notice naming rank 2; rank 2 and this rank do not; only once.
+    // Every other rank gets the notice naming rank 2, once: ranks 0 and 3 to learn of it,
+    // rank 2 as word that this rank knows.
     let recipients: Vec<usize> = posted.borrow().iter().map(|(peer, _)| *peer).collect();
-    assert_eq!(recipients, vec![0, 3]);
+    assert_eq!(recipients, vec![0, 2, 3]);
     let forwarded = posted.borrow()[0].1.clone();
     assert_eq!(forwarded, super::wire::encode_abort(2, "disk full"));
+}
+
+/// Rank 1 fails first. Dropping its communicator returns once every peer has passed the
+/// failure back (then lingers briefly), or at the timeout when one never does.
+#[test]
+fn the_rank_that_failed_stays_until_its_peers_have_heard() {
+    let drop_time = |heard_from: &[usize]| {
+        let transport = Recorder {
+            posted: std::rc::Rc::default(),
+            arriving: heard_from
+                .iter()
+                .map(|&from| Incoming::Message {
+                    from,
+                    bytes: super::wire::encode_abort(1, "out of memory"),
+                })
+                .collect(),
+        };
+        let grid = RankGrid::new(4, 1).expect("valid grid");
+        let config = CommConfig::with_timeout(Duration::from_secs(2));
+        let comm = ProcessComm::<B, _>::new(grid, 1, Default::default(), config, transport);
+        comm.abort("out of memory");
+        let start = Instant::now();
+        drop(comm);
+        start.elapsed()
+    };
+    let all = drop_time(&[0, 2, 3]);
+    assert!(
+        all < Duration::from_secs(1),
+        "all peers heard, yet it stayed {all:?}"
+    );
+    let missing = drop_time(&[0, 2]);
+    assert!(
+        missing >= Duration::from_millis(1900) && missing < Duration::from_secs(5),
+        "rank 3 never heard: it should stay until the 2 s timeout, stayed {missing:?}"
+    );
 }
 
 #[test]
