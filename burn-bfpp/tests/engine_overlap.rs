@@ -67,7 +67,6 @@ fn overlapped_collectives_train_bit_for_bit_like_waiting_ones_and_like_one_devic
         for (rank, events) in overlapped.timelines.iter().enumerate() {
             let twice = waited(events, STEPS);
             let mut actions: Vec<_> = twice.iter().map(|e| e.action).collect();
-            actions.dedup();
             actions.sort_by_key(|a| (a.stage, a.kind.token()));
             actions.dedup();
             // Each of the rank's 2 stages reduces once per step, after its last backward.
