@@ -3,14 +3,16 @@
 #
 #   scripts/gpu-check.sh build      on the development machine (Rust toolchain, x86-64):
 #                                   builds the CUDA test binary and the kernel benchmark
-#                                   (examples/kernel_bench.rs) into target/gpu-check/.
+#                                   (examples/kernel_bench/) into target/gpu-check/.
 #   scripts/gpu-check.sh [run]      on the GPU machine (no Rust, no network; CUDA driver and
 #                                   PyTorch installed), from the repository root with
 #                                   target/gpu-check/ carried along: kernel correctness on
 #                                   CUDA, then the fused kernels against Burn's CUDA path and
 #                                   PyTorch at sequence 2048, head dim 128, bf16 (and the
-#                                   measured peak memory of the fused cross-entropy), and the
-#                                   ratio table last.
+#                                   measured peak memory of the fused cross-entropy), the
+#                                   attention tile kernels under each cube shape of ATTN_TILES
+#                                   (planes x streamed 16-row fragments; default below), and
+#                                   the ratio table last.
 #
 # On a machine without an NVIDIA GPU, `run` performs every step that does not need one
 # (binaries present, Python and PyTorch importable) and then stops with exit status 2 and a
@@ -91,7 +93,10 @@ done
 
 step "fused kernels against Burn's CUDA path (bf16; cross-entropy f32), time and measured peak memory"
 rm -f "$OUT/kernels.json"
+# The tile shapes to time beside the default: 2x1 is the forward's shape before the
+# streamed tiles widened; the rest are the candidates for the launchers' preference.
 timeout "${BENCH_S:-200}" "$OUT/kernel_bench" --json "$OUT/kernels.json" \
+    --attn-tiles "${ATTN_TILES:-2x1,4x1,2x2,4x2,2x4,4x4}" \
     || failures+=("kernel_bench (exit status $?; 124 = out of time)")
 [[ -f "$OUT/kernels.json" ]] || {
     report_failures "no $OUT/kernels.json, so no ratio table"
@@ -150,6 +155,15 @@ print(f"| attention fwd, portable scalar kernel | {torch_attn_fwd:.3f} | - | {o[
       f"{torch_attn_fwd / o['fwd']['scalar']:.2f}x | - | - |")
 print(f"| attention fwd+bwd, portable scalar kernels | {torch_attn:.3f} | - | {o['fwd_bwd']['scalar']:.3f} | "
       f"{torch_attn / o['fwd_bwd']['scalar']:.2f}x | - | - |")
+shapes = o.get("default_tile_shapes", {})
+if shapes:
+    print(f"| attention default tile shapes: forward {shapes['forward']}, dQ {shapes['dq']}, "
+          f"dK/dV {shapes['dkdv']} | - | - | - | - | - | - |")
+for row in o.get("tile_sweep", []):
+    k = row["kernels"]
+    print(f"| attention tiles {row['shape']} (fwd {k['forward']}, dQ {k['dq']}, dK/dV {k['dkdv']}): "
+          f"fwd / fwd+bwd | {torch_attn_fwd:.3f} / {torch_attn:.3f} | - | {row['fwd']:.3f} / {row['fwd_bwd']:.3f} | "
+          f"{torch_attn_fwd / row['fwd']:.2f}x / {torch_attn / row['fwd_bwd']:.2f}x | - | - |")
 o = ours["mlp_fwd_bwd_ms"]
 print(f"| matmul+bias+GELU fwd+bwd | - | {o['burn']:.3f} | {o['fused']:.3f} | - | {o['burn'] / o['fused']:.2f}x | - |")
 o = ours["ce_fwd_bwd_ms"]

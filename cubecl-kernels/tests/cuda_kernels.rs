@@ -12,7 +12,10 @@ use common::{
     check_linear_gelu_dtype, Rng,
 };
 use cubecl::cuda::CudaRuntime;
-use cubecl_kernels::cube::{attention_uses_tensor_cores, tiled_launches};
+use cubecl_kernels::cube::{
+    attention_tile_shapes, attention_uses_tensor_cores, set_attention_tiles, tiled_launches,
+    TileShape,
+};
 
 /// f32 tolerance against the float64 oracle, for every op. The fused linear + GELU and linear
 /// cross-entropy multiply f32 in f32 (`cube::matmul`), not through Burn's matmul, which rounds
@@ -109,4 +112,44 @@ fn cuda_attention_and_linear_ce_half_types_match_f64_oracle() {
         check_linear_ce_dtype::<Cuda>(&dev, &mut rng, [33, 40, 70], false, dtype, 1e-2);
         check_linear_ce_dtype::<Cuda>(&dev, &mut rng, [100, 64, 1000], false, dtype, 1e-2);
     }
+}
+
+/// Every cube shape `gpu-check.sh` times, forced one at a time in bf16 on tensor cores, at
+/// head dims 128 and 64 and lengths that are not multiples of any streamed tile: what a
+/// shape the launchers may prefer computes must be right before its speed matters. The CPU
+/// counterpart (products on the lanes, shapes that fit lavapipe) is `wgpu_tiles`.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_attention_tile_shapes_match_f64_oracle() {
+    let dev = device();
+    let mut rng = Rng::fresh("cuda attention tile shapes");
+    for (planes, frags) in [(2, 1), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4)] {
+        let forced = TileShape::new(planes, frags).expect("valid shape");
+        set_attention_tiles(Some(forced));
+        for (shape, causal, masked) in [
+            ([1, 2, 150, 150, 128], true, true),
+            ([1, 1, 77, 131, 64], false, true),
+        ] {
+            let label = format!("{planes}x{frags} {shape:?}");
+            let fits = attention_tile_shapes::<CudaRuntime>(&dev, DType::BF16, shape[4]);
+            let before = tiled_launches();
+            let c = attn_case(&mut rng, shape, causal, masked);
+            check_attention_dtype::<Cuda>(&dev, &mut rng, &c, DType::BF16, 1e-2);
+            let after = tiled_launches();
+            // A shape whose shared memory exceeds the cap runs the portable kernel (and is
+            // checked above all the same); one that fits must have run on the tiles.
+            for (i, (ran, planned)) in [
+                after.forward > before.forward,
+                after.dq > before.dq,
+                after.dkdv > before.dkdv,
+            ]
+            .into_iter()
+            .zip(fits)
+            .enumerate()
+            {
+                assert_eq!(ran, planned == Some(forced), "{label}: kernel {i}");
+            }
+        }
+    }
+    set_attention_tiles(None);
 }

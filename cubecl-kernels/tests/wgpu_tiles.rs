@@ -21,8 +21,8 @@ use common::{
     Rng,
 };
 use cubecl_kernels::cube::{
-    attention_uses_tensor_cores, set_attention_kernel, set_f32_matmul, tiled_launches,
-    unit_matmul_launches, AttentionKernel, F32Matmul,
+    attention_tile_shapes, attention_uses_tensor_cores, set_attention_kernel, set_attention_tiles,
+    set_f32_matmul, tiled_launches, unit_matmul_launches, AttentionKernel, F32Matmul, TileShape,
 };
 
 #[test]
@@ -79,6 +79,43 @@ fn tiled_attention_matches_f64_oracle() {
             );
         }
     }
+
+    // Every cube shape the launchers may pick on a GPU, forced one at a time: planes and
+    // streamed tiles of 16 to 64 rows, on lengths that are not multiples of any tile (so
+    // partial streamed tiles, causal cut-offs inside a tile and masked keys all occur).
+    // lavapipe's 32 KiB hold these only at small head dimensions, and four planes only in
+    // f16; the shapes Hopper takes (4×4, 4×2, 2×4) do not fit here at all, but differ from
+    // these only in their comptime sizes. In this same test because the choice is
+    // process-wide.
+    let mut shaped = vec![
+        (DType::F32, (1, 4), [1, 2, 70, 50, 16], true, true),
+        (DType::F32, (2, 2), [2, 1, 33, 97, 16], false, true),
+        (DType::F32, (1, 2), [1, 1, 45, 61, 32], true, true),
+    ];
+    if <Wgpu as Backend>::supports_dtype(&dev, DType::F16) {
+        shaped.push((DType::F16, (4, 1), [1, 1, 100, 100, 16], true, false));
+        shaped.push((DType::F16, (1, 4), [1, 2, 81, 130, 32], false, true));
+    }
+    for (dtype, (planes, frags), shape, causal, masked) in shaped {
+        let forced = TileShape::new(planes, frags).expect("valid shape");
+        set_attention_tiles(Some(forced));
+        let label = format!("{dtype:?} {shape:?} forced {planes}×{frags}");
+        assert_eq!(
+            attention_tile_shapes::<WgpuRuntime>(&dev, dtype, shape[4]),
+            [Some(forced); 3],
+            "{label}: a kernel does not fit lavapipe's shared memory"
+        );
+        let before = tiled_launches();
+        let c = attn_case(&mut rng, shape, causal, masked);
+        let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+        check_attention_dtype::<Wgpu>(&dev, &mut rng, &c, dtype, tol);
+        let after = tiled_launches();
+        assert!(
+            after.forward > before.forward && after.dq > before.dq && after.dkdv > before.dkdv,
+            "{label}: not every kernel ran on the tiles ({before:?} → {after:?})"
+        );
+    }
+    set_attention_tiles(None);
 }
 
 #[test]

@@ -16,7 +16,9 @@ use super::flash_bwd_tiles::{
 use super::flash_fwd::flash_fwd_kernel;
 use super::flash_fwd_tiles::{flash_fwd_tiles_kernel, shared_bytes};
 use super::tiles::FRAG;
-use super::{attention_kernel, output, AttentionKernel, TILED_LAUNCHES};
+use super::{
+    attention_kernel, attention_tiles, output, AttentionKernel, TileShape, TILED_LAUNCHES,
+};
 
 /// Query rows per cube (one thread each).
 pub(crate) const BLOCK_Q: usize = 32;
@@ -43,9 +45,71 @@ where
     }
 }
 
-/// Shared memory the tile kernel may declare: what the device reports, at most the 48 KiB
-/// CUDA gives a kernel without an opt-in attribute.
-const TILES_SHARED_CAP: usize = 48 * 1024;
+/// Shared memory a tile kernel may declare: what the device reports, at most this. CubeCL's
+/// CUDA runtime opts every kernel into the shared memory it declares (past the 48 KiB CUDA
+/// gives without the attribute), so the cap is a choice: 112 KiB keeps two cubes resident
+/// per streaming multiprocessor on Hopper (228 KB) and one on Ampere (164 KB).
+const TILES_SHARED_CAP: usize = 112 * 1024;
+
+/// The cube shapes a tile kernel may run with, `(planes, stream_frags)`, most preferred first:
+/// the first that fits in shared memory is taken. A wider streamed tile means fewer barriers,
+/// staging rounds and accumulator round trips per key; more planes share each staged tile
+/// among more rows. Not yet tuned on a GPU: `kernel_bench --attn-tiles` times any of them,
+/// and [`set_attention_tiles`] forces one.
+const TILE_SHAPES: [(usize, usize); 9] = [
+    (4, 4),
+    (4, 2),
+    (2, 4),
+    (2, 2),
+    (4, 1),
+    (2, 1),
+    (1, 4),
+    (1, 2),
+    (1, 1),
+];
+
+/// How one tile kernel runs on a device: its cube and whether its products use tensor cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TilePlan {
+    /// Planes (warps) per cube, each owning 16 rows of the kernel's output.
+    pub(crate) planes: usize,
+    /// Rows of the streamed tile (keys for the forward and dQ, queries for dK/dV), in 16-row
+    /// fragments.
+    pub(crate) stream_frags: usize,
+    /// Lanes per plane, the cube's x dimension (fragments are plane-wide).
+    pub(crate) plane_dim: usize,
+    /// Whether the fragment products run on tensor cores (`cmma`).
+    pub(crate) use_cmma: bool,
+}
+
+impl TilePlan {
+    /// The cube of one launch.
+    pub(crate) fn cube_dim(&self) -> CubeDim {
+        CubeDim::new_2d(self.plane_dim as u32, self.planes as u32)
+    }
+
+    /// Cubes along the rows a cube owns (`rows` query rows, or key rows for dK/dV).
+    pub(crate) fn cubes_for(&self, rows: usize) -> u32 {
+        rows.div_ceil(self.planes * FRAG) as u32
+    }
+}
+
+/// Shared memory `kernel` declares for a cube of `planes` planes streaming tiles of
+/// `stream_frags` fragments.
+pub(crate) fn tile_shared_bytes(
+    kernel: TileKernel,
+    planes: usize,
+    stream_frags: usize,
+    head_dim: usize,
+    elem_bytes: usize,
+) -> usize {
+    let bytes = match kernel {
+        TileKernel::Forward => shared_bytes,
+        TileKernel::Dq => dq_shared_bytes,
+        TileKernel::DkDv => dkdv_shared_bytes,
+    };
+    bytes(planes, stream_frags, head_dim, elem_bytes)
+}
 
 /// The tile kernels, for choosing how many planes fit in shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,18 +119,19 @@ pub(crate) enum TileKernel {
     DkDv,
 }
 
-/// How a tile kernel runs on this device for `dtype` and `head_dim`: `(planes, plane_dim,
-/// use_cmma)`, or `None` when it does not apply (see [`plan_tiles`]).
+/// How a tile kernel runs on this device for `dtype` and `head_dim`, or `None` when it does
+/// not apply (see [`plan_tiles`]).
 pub(crate) fn tiles_plan<R: CubeRuntime>(
     client: &ComputeClient<R>,
     kernel: TileKernel,
     dtype: DType,
     head_dim: usize,
-) -> Option<(usize, usize, bool)> {
+) -> Option<TilePlan> {
     let props = client.properties();
     let hw = &props.hardware;
     plan_tiles(
         attention_kernel(),
+        attention_tiles(),
         has_tile_fragments(props.features.matmul.cmma.iter(), dtype),
         hw.plane_size_max.max(1) as usize,
         hw.max_shared_memory_size,
@@ -78,12 +143,10 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
 
 /// Whether all three tile kernels (forward, dQ, dK/dV) run on tensor cores under `plan`
 /// (a device's or a target's [`plan_tiles`] for one dtype and head dimension).
-pub(crate) fn all_tiles_on_tensor_cores(
-    plan: impl Fn(TileKernel) -> Option<(usize, usize, bool)>,
-) -> bool {
+pub(crate) fn all_tiles_on_tensor_cores(plan: impl Fn(TileKernel) -> Option<TilePlan>) -> bool {
     [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv]
         .into_iter()
-        .all(|kernel| matches!(plan(kernel), Some((_, _, true))))
+        .all(|kernel| plan(kernel).is_some_and(|p| p.use_cmma))
 }
 
 /// Whether `cmma` (a device's fragment shapes) holds the 16×16×16 fragment of `dtype` with
@@ -104,21 +167,23 @@ pub(crate) fn has_tile_fragments<'a>(
         })
 }
 
-/// The tile kernels' plan from the device facts it depends on: `(planes, plane_dim,
-/// use_cmma)`, or `None` when they do not apply (the `choice` is
-/// [`AttentionKernel::Scalar`], the head dimension is not a multiple of 16, no plane count
-/// fits in shared memory, or, under [`AttentionKernel::Auto`], the device has no tensor-core
-/// fragment of the input type). Fragments are plane-wide, so the cube's x dimension is the
-/// hardware plane width `plane_dim`.
+/// The tile kernels' plan from the device facts it depends on, or `None` when they do not
+/// apply (the `choice` is [`AttentionKernel::Scalar`], the head dimension is not a multiple
+/// of 16, no cube shape fits in shared memory (or the `forced` one does not), or, under
+/// [`AttentionKernel::Auto`], the device has no tensor-core fragment of the input type).
+/// Fragments are plane-wide, so the cube's x dimension is the hardware plane width
+/// `plane_dim`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_tiles(
     choice: AttentionKernel,
+    forced: Option<TileShape>,
     has_cmma: bool,
     plane_dim: usize,
     device_shared_bytes: usize,
     kernel: TileKernel,
     dtype: DType,
     head_dim: usize,
-) -> Option<(usize, usize, bool)> {
+) -> Option<TilePlan> {
     if choice == AttentionKernel::Scalar || head_dim % FRAG != 0 {
         return None;
     }
@@ -126,25 +191,31 @@ pub(crate) fn plan_tiles(
         return None;
     }
     let budget = device_shared_bytes.min(TILES_SHARED_CAP);
-    let planes = planes_that_fit(kernel, head_dim, dtype.size(), budget)?;
-    Some((planes, plane_dim, has_cmma))
+    let (planes, stream_frags) = shape_that_fits(forced, kernel, head_dim, dtype.size(), budget)?;
+    Some(TilePlan {
+        planes,
+        stream_frags,
+        plane_dim,
+        use_cmma: has_cmma,
+    })
 }
 
-/// The most planes (4, 2 or 1) whose shared memory for `kernel` fits in `budget` bytes.
-fn planes_that_fit(
+/// The `forced` cube shape if it fits in `budget` bytes, else (none forced) the first of
+/// [`TILE_SHAPES`] that does.
+fn shape_that_fits(
+    forced: Option<TileShape>,
     kernel: TileKernel,
     head_dim: usize,
     elem_bytes: usize,
     budget: usize,
-) -> Option<usize> {
-    let bytes = match kernel {
-        TileKernel::Forward => shared_bytes,
-        TileKernel::Dq => dq_shared_bytes,
-        TileKernel::DkDv => dkdv_shared_bytes,
+) -> Option<(usize, usize)> {
+    let fits = |&(planes, frags): &(usize, usize)| {
+        tile_shared_bytes(kernel, planes, frags, head_dim, elem_bytes) <= budget
     };
-    [4, 2, 1]
-        .into_iter()
-        .find(|&p| bytes(p, head_dim, elem_bytes) <= budget)
+    match forced {
+        Some(shape) => Some((shape.planes, shape.stream_frags)).filter(fits),
+        None => TILE_SHAPES.into_iter().find(fits),
+    }
 }
 
 /// Flash-attention forward on a CubeCL backend: `(out, lse)` with `lse` in f32.
@@ -167,13 +238,12 @@ where
     let out = output(&q, Shape::new([b, h, sq, d]), dtype);
     let lse = output(&q, Shape::new([b, h, sq]), DType::F32);
     let client = q.client.clone();
-    if let Some((planes, plane_dim, use_cmma)) = tiles_plan(&client, TileKernel::Forward, dtype, d)
-    {
+    if let Some(plan) = tiles_plan(&client, TileKernel::Forward, dtype, d) {
         TILED_LAUNCHES[0].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         flash_fwd_tiles_kernel::launch::<R>(
             &client,
-            CubeCount::Static(sq.div_ceil(planes * FRAG) as u32, (b * h) as u32, 1),
-            CubeDim::new_2d(plane_dim as u32, planes as u32),
+            CubeCount::Static(plan.cubes_for(sq), (b * h) as u32, 1),
+            plan.cube_dim(),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -185,11 +255,12 @@ where
             h as u32,
             1.0 / (d as f32).sqrt(),
             d,
-            planes,
-            plane_dim,
+            plan.planes,
+            plan.stream_frags,
+            plan.plane_dim,
             causal,
             has_mask,
-            use_cmma,
+            plan.use_cmma,
             dtype.into(),
         );
         return (out, lse);
@@ -261,12 +332,12 @@ where
     let dv = output(&q, Shape::new([b, h, sk, d]), dtype);
     let client = q.client.clone();
     let scale = 1.0 / (d as f32).sqrt();
-    if let Some((planes, plane_dim, use_cmma)) = tiles_plan(&client, TileKernel::Dq, dtype, d) {
+    if let Some(plan) = tiles_plan(&client, TileKernel::Dq, dtype, d) {
         TILED_LAUNCHES[1].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         flash_dq_tiles_kernel::launch::<R>(
             &client,
-            CubeCount::Static(sq.div_ceil(planes * FRAG) as u32, (b * h) as u32, 1),
-            CubeDim::new_2d(plane_dim as u32, planes as u32),
+            CubeCount::Static(plan.cubes_for(sq), (b * h) as u32, 1),
+            plan.cube_dim(),
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
@@ -280,11 +351,12 @@ where
             h as u32,
             scale,
             d,
-            planes,
-            plane_dim,
+            plan.planes,
+            plan.stream_frags,
+            plan.plane_dim,
             causal,
             has_mask,
-            use_cmma,
+            plan.use_cmma,
             dtype.into(),
         );
     } else {
@@ -312,12 +384,12 @@ where
             dtype.into(),
         );
     }
-    if let Some((planes, plane_dim, use_cmma)) = tiles_plan(&client, TileKernel::DkDv, dtype, d) {
+    if let Some(plan) = tiles_plan(&client, TileKernel::DkDv, dtype, d) {
         TILED_LAUNCHES[2].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         flash_dkdv_tiles_kernel::launch::<R>(
             &client,
-            CubeCount::Static(sk.div_ceil(planes * FRAG) as u32, (b * h) as u32, 1),
-            CubeDim::new_2d(plane_dim as u32, planes as u32),
+            CubeCount::Static(plan.cubes_for(sk), (b * h) as u32, 1),
+            plan.cube_dim(),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -332,11 +404,12 @@ where
             h as u32,
             scale,
             d,
-            planes,
-            plane_dim,
+            plan.planes,
+            plan.stream_frags,
+            plan.plane_dim,
             causal,
             has_mask,
-            use_cmma,
+            plan.use_cmma,
             dtype.into(),
         );
     } else {
@@ -376,54 +449,107 @@ mod tests {
 
     const KERNELS: [TileKernel; 3] = [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv];
 
-    /// On CUDA (48 KiB without an opt-in) every bf16/f16 head dimension the tile kernels
-    /// accept, up to the 128 of the production models, gets at least one plane for all three
-    /// kernels, so none of them silently falls back to the portable kernel there.
+    /// Hopper's shared memory after opt-in.
+    const HOPPER_SHARED: usize = 227 * 1024;
+
+    fn plan(
+        kernel: TileKernel,
+        forced: Option<TileShape>,
+        budget: usize,
+        head_dim: usize,
+    ) -> Option<TilePlan> {
+        plan_tiles(
+            AttentionKernel::Auto,
+            forced,
+            true,
+            32,
+            budget,
+            kernel,
+            DType::BF16,
+            head_dim,
+        )
+    }
+
+    /// On CUDA every bf16/f16 head dimension the tile kernels accept, up to the 128 of the
+    /// production models, gets a cube shape for all three kernels, so none of them silently
+    /// falls back to the portable kernel there; and every plan stays within the cap.
     #[test]
     fn every_half_head_dim_up_to_128_fits_cuda_shared_memory() {
         for head_dim in (FRAG..=128).step_by(FRAG) {
             for kernel in KERNELS {
+                let p = plan(kernel, None, HOPPER_SHARED, head_dim)
+                    .unwrap_or_else(|| panic!("{kernel:?} at head dim {head_dim}: no plan"));
+                let bytes = tile_shared_bytes(kernel, p.planes, p.stream_frags, head_dim, 2);
                 assert!(
-                    planes_that_fit(kernel, head_dim, 2, TILES_SHARED_CAP).is_some(),
-                    "{kernel:?} at head dim {head_dim} does not fit 48 KiB"
+                    bytes <= TILES_SHARED_CAP,
+                    "{kernel:?} {head_dim}: {bytes} B"
                 );
             }
         }
     }
 
-    /// More planes need more shared memory, and the choice is the most planes within the
-    /// budget (none when even one plane does not fit).
+    /// Shared memory grows with planes and with the streamed tile, and the choice is the
+    /// first preferred shape within the budget (none when even the smallest does not fit).
     #[test]
-    fn plane_choice_stays_within_the_budget_and_prefers_more_planes() {
+    fn shape_choice_stays_within_the_budget_and_follows_the_preference() {
         for kernel in KERNELS {
-            let bytes = match kernel {
-                TileKernel::Forward => shared_bytes,
-                TileKernel::Dq => dq_shared_bytes,
-                TileKernel::DkDv => dkdv_shared_bytes,
-            };
-            for budget in [16 * 1024, 32 * 1024, 48 * 1024] {
+            for budget in [16 * 1024, 32 * 1024, 48 * 1024, TILES_SHARED_CAP] {
                 for head_dim in (FRAG..=128).step_by(FRAG) {
                     for elem in [2, 4] {
-                        assert!(bytes(2, head_dim, elem) > bytes(1, head_dim, elem));
-                        match planes_that_fit(kernel, head_dim, elem, budget) {
-                            Some(p) => {
-                                assert!(bytes(p, head_dim, elem) <= budget);
-                                if p < 4 {
-                                    assert!(bytes(p * 2, head_dim, elem) > budget);
-                                }
-                            }
-                            None => assert!(bytes(1, head_dim, elem) > budget),
+                        let bytes = |p, f| tile_shared_bytes(kernel, p, f, head_dim, elem);
+                        assert!(bytes(2, 1) > bytes(1, 1));
+                        assert!(bytes(1, 2) > bytes(1, 1));
+                        let chosen = shape_that_fits(None, kernel, head_dim, elem, budget);
+                        let first = TILE_SHAPES.iter().position(|&(p, f)| bytes(p, f) <= budget);
+                        assert_eq!(chosen, first.map(|i| TILE_SHAPES[i]));
+                        if let Some((p, f)) = chosen {
+                            assert!(bytes(p, f) <= budget);
                         }
                     }
                 }
             }
         }
-        // lavapipe's 32 KiB: the f16 forward at head dim 128 runs one plane, the f16 dK/dV
-        // (two f32 accumulators) does not fit (the wgpu_tiles test relies on both).
+        // lavapipe's 32 KiB: the f16 forward at head dim 128 runs one plane with 32-key tiles,
+        // the f16 dK/dV (two f32 accumulators) does not fit (the wgpu_tiles test relies on
+        // both).
         assert_eq!(
-            planes_that_fit(TileKernel::Forward, 128, 2, 32 * 1024),
-            Some(1)
+            shape_that_fits(None, TileKernel::Forward, 128, 2, 32 * 1024),
+            Some((1, 2))
         );
-        assert_eq!(planes_that_fit(TileKernel::DkDv, 128, 2, 32 * 1024), None);
+        assert_eq!(
+            shape_that_fits(None, TileKernel::DkDv, 128, 2, 32 * 1024),
+            None
+        );
+    }
+
+    /// A forced shape is taken as it is where it fits, and refused (portable kernel) where it
+    /// does not, rather than replaced by another.
+    #[test]
+    fn a_forced_shape_is_used_or_refused() {
+        let small = TileShape::new(1, 2);
+        let p = plan(TileKernel::Forward, small, HOPPER_SHARED, 64).expect("fits");
+        assert_eq!((p.planes, p.stream_frags), (1, 2));
+        let huge = TileShape::new(8, 8);
+        assert_eq!(plan(TileKernel::DkDv, huge, HOPPER_SHARED, 128), None);
+        assert_eq!(TileShape::new(0, 1), None);
+        assert_eq!(TileShape::new(1, TileShape::MAX + 1), None);
+    }
+
+    /// The shapes Hopper gets at the production head dimension, printed for the record and
+    /// pinned so that a change to the preference or the cap is a visible decision.
+    #[test]
+    fn hopper_bf16_head_dim_128_shapes() {
+        let shapes = KERNELS.map(|k| {
+            let p = plan(k, None, HOPPER_SHARED, 128).expect("plan");
+            (p.planes, p.stream_frags)
+        });
+        for (k, (p, f)) in KERNELS.iter().zip(shapes) {
+            println!(
+                "{k:?}: {p} planes, {} streamed rows, {} B",
+                f * FRAG,
+                tile_shared_bytes(*k, p, f, 128, 2)
+            );
+        }
+        assert_eq!(shapes, [(4, 4), (4, 2), (2, 4)]);
     }
 }

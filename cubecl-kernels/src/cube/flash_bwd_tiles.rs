@@ -3,34 +3,51 @@
 //! key/value tiles streamed) and a dK/dV kernel (each plane owns 16 key rows, query/output-
 //! gradient tiles streamed), so every output row has one owner and no atomics are needed.
 //!
-//! Per 16×16 block a plane recomputes the scores and `dP = dO·Vᵀ` as fragment products,
-//! forms `P = exp(scale·S − lse)` and `dS = P ∘ (dP − Δ)` with its lanes (rounded to the input
-//! type, as the products' operands), and accumulates `dQ += dS·K`, or `dV += Pᵀ·dO` and
-//! `dK += dSᵀ·Q`, into f32 blocks in shared memory. With `use_cmma = false` the products are
-//! computed by the lanes from the same operands (see [`super::tiles`]).
+//! The streamed tiles are `stream_frags × 16` rows wide. Per tile a plane recomputes its
+//! scores and `dP = dO·Vᵀ` as 16×16 fragment products, forms `P = exp(scale·S − lse)` and
+//! `dS = P ∘ (dP − Δ)` with its lanes (rounded to the input type, as the products' operands),
+//! and accumulates `dQ += dS·K`, or `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, into f32 blocks in shared
+//! memory, the whole tile as the inner dimension of one product per 16 output columns. With
+//! `use_cmma = false` the products are computed by the lanes from the same operands (see
+//! [`super::tiles`]).
 
 use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
-use super::tiles::{block_product, stage_rows, stage_values, ALIGN, FRAG, ONE_STEP};
+use super::tiles::{block_product, stage_rows, stage_values, ALIGN, FRAG};
 
-/// Shared memory the dQ kernel declares, in bytes, for `planes` planes.
-pub(crate) fn dq_shared_bytes(planes: usize, head_dim: usize, elem_bytes: usize) -> usize {
-    let halves = (2 * planes + 2) * FRAG * head_dim + planes * FRAG * FRAG;
-    let floats = 2 * planes * FRAG * FRAG + planes * FRAG * head_dim + 2 * planes * FRAG;
+/// Shared memory the dQ kernel declares, in bytes, for `planes` planes and key tiles of
+/// `kv_frags × 16` keys.
+pub(crate) fn dq_shared_bytes(
+    planes: usize,
+    kv_frags: usize,
+    head_dim: usize,
+    elem_bytes: usize,
+) -> usize {
+    let (rows, tile) = (planes * FRAG, kv_frags * FRAG);
+    let halves = 2 * rows * head_dim + 2 * tile * head_dim + rows * tile;
+    let floats = 2 * rows * tile + rows * head_dim + 2 * rows;
     halves * elem_bytes + floats * 4 + 10 * ALIGN
 }
 
-/// Shared memory the dK/dV kernel declares, in bytes, for `planes` planes.
-pub(crate) fn dkdv_shared_bytes(planes: usize, head_dim: usize, elem_bytes: usize) -> usize {
-    let halves = (2 * planes + 2) * FRAG * head_dim + 2 * planes * FRAG * FRAG;
-    let floats = 2 * planes * FRAG * FRAG + 2 * planes * FRAG * head_dim + 2 * FRAG;
+/// Shared memory the dK/dV kernel declares, in bytes, for `planes` planes and query tiles of
+/// `q_frags × 16` rows.
+pub(crate) fn dkdv_shared_bytes(
+    planes: usize,
+    q_frags: usize,
+    head_dim: usize,
+    elem_bytes: usize,
+) -> usize {
+    let (rows, tile) = (planes * FRAG, q_frags * FRAG);
+    let halves = 2 * rows * head_dim + 2 * tile * head_dim + 2 * rows * tile;
+    let floats = 2 * rows * tile + 2 * rows * head_dim + 2 * tile;
     halves * elem_bytes + floats * 4 + 12 * ALIGN
 }
 
 /// dQ kernel: inputs contiguous `[batch, heads, seq, head_dim]`, `lse` and `delta` f32
 /// `[batch, heads, seq_q]`, mask f32 `[batch, seq_k]` (1.0 = padded). Launch with
-/// `CubeDim::new_2d(plane_dim, planes)`, one cube per `planes·16` query rows and batch·head.
+/// `CubeDim::new_2d(plane_dim, planes)`, one cube per `planes·16` query rows and batch·head;
+/// keys and values stream in tiles of `kv_frags·16`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_dq_tiles_kernel<F: Float>(
@@ -48,6 +65,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] planes: usize,
+    #[comptime] stream_frags: usize,
     #[comptime] plane_dim: usize,
     #[comptime] causal: bool,
     #[comptime] has_mask: bool,
@@ -58,6 +76,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let seq_k = seq_k as usize;
     let threads = planes * plane_dim;
     let block_q = planes * FRAG;
+    let block_kv = stream_frags * FRAG;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let bh = CUBE_POS_Y as usize;
@@ -66,15 +85,15 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let q_base = bh * seq_q * head_dim;
     let kv_base = bh * seq_k * head_dim;
     let own = plane * FRAG * head_dim;
-    let blk = plane * FRAG * FRAG;
+    let blk = plane * FRAG * block_kv;
 
     let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
     let mut do_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
-    let mut k_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
-    let mut v_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
-    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
-    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
-    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut k_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_kv, ALIGN);
+    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_kv, ALIGN);
+    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_kv, ALIGN);
     let mut dq_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
@@ -102,63 +121,66 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
         }
     }
     #[allow(clippy::manual_div_ceil)]
-    let num_tiles = (kv_end + FRAG - 1) / FRAG;
+    let num_tiles = (kv_end + block_kv - 1) / block_kv;
     for t in 0..num_tiles {
-        let kv0 = t * FRAG;
+        let kv0 = t * block_kv;
         stage_rows::<F, F>(
-            k, &mut k_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
         stage_rows::<F, F>(
-            v, &mut v_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
         sync_cube();
-        // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows and this key tile.
-        block_product::<F>(
-            &q_s,
-            own,
-            head_dim,
-            FRAG,
-            &k_s,
-            0usize,
-            head_dim,
-            FRAG,
-            true,
-            &mut s_s,
-            blk,
-            FRAG,
-            head_dim / FRAG,
-            false,
-            plane_dim,
-            use_cmma,
-        );
-        block_product::<F>(
-            &do_s,
-            own,
-            head_dim,
-            FRAG,
-            &v_s,
-            0usize,
-            head_dim,
-            FRAG,
-            true,
-            &mut dp_s,
-            blk,
-            FRAG,
-            head_dim / FRAG,
-            false,
-            plane_dim,
-            use_cmma,
-        );
+        // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows and this key tile, 16 keys at a time.
+        #[unroll]
+        for n in 0..stream_frags {
+            block_product::<F>(
+                &q_s,
+                own,
+                head_dim,
+                FRAG,
+                &k_s,
+                n * FRAG * head_dim,
+                head_dim,
+                FRAG,
+                true,
+                &mut s_s,
+                blk + n * FRAG,
+                block_kv,
+                head_dim / FRAG,
+                false,
+                plane_dim,
+                use_cmma,
+            );
+            block_product::<F>(
+                &do_s,
+                own,
+                head_dim,
+                FRAG,
+                &v_s,
+                n * FRAG * head_dim,
+                head_dim,
+                FRAG,
+                true,
+                &mut dp_s,
+                blk + n * FRAG,
+                block_kv,
+                head_dim / FRAG,
+                false,
+                plane_dim,
+                use_cmma,
+            );
+        }
         sync_cube();
         let mut e = lane;
-        while e < FRAG * FRAG {
-            let r = plane * FRAG + e / FRAG;
+        while e < FRAG * block_kv {
+            let r = plane * FRAG + e / block_kv;
             let mut ds = f32::new(0.0);
             if visible(
                 mask,
                 batch,
                 q0 + r,
-                kv0 + e % FRAG,
+                kv0 + e % block_kv,
                 seq_q,
                 seq_k,
                 causal,
@@ -171,23 +193,24 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
             e += plane_dim;
         }
         sync_cube();
-        // dQ += dS·K, one 16-column block of the head dimension at a time.
+        // dQ += dS·K, one 16-column block of the head dimension at a time, the tile's keys
+        // as the inner dimension.
         #[unroll]
         for f in 0..head_dim / FRAG {
             block_product::<F>(
                 &ds_s,
                 blk,
-                FRAG,
+                block_kv,
                 FRAG,
                 &k_s,
                 f * FRAG,
                 head_dim,
-                FRAG,
+                FRAG * head_dim,
                 false,
                 &mut dq_s,
                 own + f * FRAG,
                 head_dim,
-                ONE_STEP,
+                stream_frags,
                 true,
                 plane_dim,
                 use_cmma,
@@ -208,7 +231,8 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
 }
 
 /// dK/dV kernel: layouts as [`flash_dq_tiles_kernel`]; one cube per `planes·16` key rows and
-/// batch·head, each plane owning 16 keys.
+/// batch·head, each plane owning 16 keys; queries and output gradients stream in tiles of
+/// `stream_frags·16` rows.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
@@ -227,6 +251,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] planes: usize,
+    #[comptime] stream_frags: usize,
     #[comptime] plane_dim: usize,
     #[comptime] causal: bool,
     #[comptime] has_mask: bool,
@@ -237,6 +262,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let seq_k = seq_k as usize;
     let threads = planes * plane_dim;
     let block_k = planes * FRAG;
+    let block_q = stream_frags * FRAG;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let bh = CUBE_POS_Y as usize;
@@ -245,20 +271,20 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let q_base = bh * seq_q * head_dim;
     let kv_base = bh * seq_k * head_dim;
     let own = plane * FRAG * head_dim;
-    let blk = plane * FRAG * FRAG;
+    let blk = plane * FRAG * block_q;
 
     let mut k_s = SharedMemory::<F>::new_aligned(block_k * head_dim, ALIGN);
     let mut v_s = SharedMemory::<F>::new_aligned(block_k * head_dim, ALIGN);
-    let mut q_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
-    let mut do_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
-    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
-    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
-    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
-    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
+    let mut do_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_q, ALIGN);
+    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_q, ALIGN);
+    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_q, ALIGN);
+    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_q, ALIGN);
     let mut dk_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
     let mut dv_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
-    let mut lse_s = SharedMemory::<f32>::new(FRAG);
-    let mut delta_s = SharedMemory::<f32>::new(FRAG);
+    let mut lse_s = SharedMemory::<f32>::new(block_q);
+    let mut delta_s = SharedMemory::<f32>::new(block_q);
 
     stage_rows::<F, F>(
         k, &mut k_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
@@ -277,65 +303,69 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     // tiles start at the one holding row `k0` (uniform across the cube).
     let mut first = 0usize;
     if causal {
-        first = k0 / FRAG;
+        first = k0 / block_q;
     }
     #[allow(clippy::manual_div_ceil)]
-    let num_tiles = (seq_q + FRAG - 1) / FRAG;
+    let num_tiles = (seq_q + block_q - 1) / block_q;
     for t in first..num_tiles {
-        let q0 = t * FRAG;
+        let q0 = t * block_q;
         // The previous tile's last reads of q_s / do_s / lse_s / delta_s are behind the
         // barrier that ends it (or, for the first tile, nothing has read them yet).
         stage_rows::<F, F>(
-            q, &mut q_s, 0usize, q_base, q0, seq_q, FRAG, head_dim, threads,
+            q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
         );
         stage_rows::<F, F>(
-            dout, &mut do_s, 0usize, q_base, q0, seq_q, FRAG, head_dim, threads,
+            dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
         );
-        stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, FRAG, threads);
-        stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, FRAG, threads);
+        stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
+        stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, block_q, threads);
         sync_cube();
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's keys and this query tile.
-        block_product::<F>(
-            &k_s,
-            own,
-            head_dim,
-            FRAG,
-            &q_s,
-            0usize,
-            head_dim,
-            FRAG,
-            true,
-            &mut s_s,
-            blk,
-            FRAG,
-            head_dim / FRAG,
-            false,
-            plane_dim,
-            use_cmma,
-        );
-        block_product::<F>(
-            &v_s,
-            own,
-            head_dim,
-            FRAG,
-            &do_s,
-            0usize,
-            head_dim,
-            FRAG,
-            true,
-            &mut dp_s,
-            blk,
-            FRAG,
-            head_dim / FRAG,
-            false,
-            plane_dim,
-            use_cmma,
-        );
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's keys and this query tile, 16 queries at a
+        // time.
+        #[unroll]
+        for n in 0..stream_frags {
+            block_product::<F>(
+                &k_s,
+                own,
+                head_dim,
+                FRAG,
+                &q_s,
+                n * FRAG * head_dim,
+                head_dim,
+                FRAG,
+                true,
+                &mut s_s,
+                blk + n * FRAG,
+                block_q,
+                head_dim / FRAG,
+                false,
+                plane_dim,
+                use_cmma,
+            );
+            block_product::<F>(
+                &v_s,
+                own,
+                head_dim,
+                FRAG,
+                &do_s,
+                n * FRAG * head_dim,
+                head_dim,
+                FRAG,
+                true,
+                &mut dp_s,
+                blk + n * FRAG,
+                block_q,
+                head_dim / FRAG,
+                false,
+                plane_dim,
+                use_cmma,
+            );
+        }
         sync_cube();
         let mut e = lane;
-        while e < FRAG * FRAG {
-            let i = e % FRAG;
-            let key = k0 + plane * FRAG + e / FRAG;
+        while e < FRAG * block_q {
+            let i = e % block_q;
+            let key = k0 + plane * FRAG + e / block_q;
             let mut p = f32::new(0.0);
             let mut ds = f32::new(0.0);
             if visible(mask, batch, q0 + i, key, seq_q, seq_k, causal, has_mask) {
@@ -347,23 +377,24 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             e += plane_dim;
         }
         sync_cube();
-        // dV += Pᵀ·dO and dK += dSᵀ·Q, one 16-column block of the head dimension at a time.
+        // dV += Pᵀ·dO and dK += dSᵀ·Q, one 16-column block of the head dimension at a time,
+        // the tile's queries as the inner dimension.
         #[unroll]
         for f in 0..head_dim / FRAG {
             block_product::<F>(
                 &p_s,
                 blk,
-                FRAG,
+                block_q,
                 FRAG,
                 &do_s,
                 f * FRAG,
                 head_dim,
-                FRAG,
+                FRAG * head_dim,
                 false,
                 &mut dv_s,
                 own + f * FRAG,
                 head_dim,
-                ONE_STEP,
+                stream_frags,
                 true,
                 plane_dim,
                 use_cmma,
@@ -371,17 +402,17 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             block_product::<F>(
                 &ds_s,
                 blk,
-                FRAG,
+                block_q,
                 FRAG,
                 &q_s,
                 f * FRAG,
                 head_dim,
-                FRAG,
+                FRAG * head_dim,
                 false,
                 &mut dk_s,
                 own + f * FRAG,
                 head_dim,
-                ONE_STEP,
+                stream_frags,
                 true,
                 plane_dim,
                 use_cmma,

@@ -2,11 +2,13 @@
 //! accumulation, head dimension a multiple of 16.
 //!
 //! One cube per (query tile, batch·head); each plane (warp) of the cube owns 16 query rows.
-//! Per 16-key tile the plane computes its scores `S = Q·Kᵀ` as 16×16 matrix products, runs
-//! the online softmax on them row by row, and adds `P·V` to its output block. The output
-//! block lives in shared memory as f32 rather than in accumulator fragments, because the
-//! online softmax must rescale it row by row, which fragments (opaque layouts) cannot do;
-//! each `P·V` product loads the block as its accumulator, adds, and stores it back.
+//! Keys and values stream through shared memory in tiles of `kv_frags × 16` keys. Per tile the
+//! plane computes its scores `S = Q·Kᵀ` as 16×16 matrix products, runs the online softmax on
+//! them row by row, and adds `P·V` to its output block. The output block lives in shared
+//! memory as f32 rather than in accumulator fragments, because the online softmax must
+//! rescale it row by row, which fragments (opaque layouts) cannot do; each `P·V` product
+//! loads the block as its accumulator, adds the whole tile's keys, and stores it back, so a
+//! wider key tile means fewer of these round trips and fewer barriers per key.
 //! Memory is `O(seq · head_dim)`: no `[seq_q × seq_k]` buffer exists anywhere.
 //!
 //! With `use_cmma = false` the two fragment products are computed by the plane's lanes from
@@ -17,20 +19,27 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
-use super::tiles::{block_product, stage_rows, ALIGN, FRAG, ONE_STEP};
+use super::tiles::{block_product, stage_rows, ALIGN, FRAG};
 
-/// Shared memory the kernel declares, in bytes, for `planes` planes (the launcher picks the
-/// most planes that fit the device).
-pub(crate) fn shared_bytes(planes: usize, head_dim: usize, elem_bytes: usize) -> usize {
-    let halves = (planes + 2) * FRAG * head_dim + planes * FRAG * FRAG;
-    let floats = planes * FRAG * FRAG + planes * FRAG * head_dim + planes * FRAG;
+/// Shared memory the kernel declares, in bytes, for `planes` planes and key tiles of
+/// `kv_frags × 16` keys (the launcher picks a plan that fits the device).
+pub(crate) fn shared_bytes(
+    planes: usize,
+    kv_frags: usize,
+    head_dim: usize,
+    elem_bytes: usize,
+) -> usize {
+    let block_kv = kv_frags * FRAG;
+    let halves = planes * FRAG * head_dim + 2 * block_kv * head_dim + planes * FRAG * block_kv;
+    let floats = planes * FRAG * block_kv + planes * FRAG * head_dim + planes * FRAG;
     halves * elem_bytes + floats * 4 + 6 * ALIGN
 }
 
 /// Forward kernel; same contract as [`super::flash_fwd::flash_fwd_kernel`]: contiguous
 /// `[batch, heads, seq, head_dim]` inputs, `mask` `[batch, seq_k]` f32 (1.0 = padded key,
 /// read only when `has_mask`), writes `out` (input dtype) and `lse` (f32 `[batch, heads,
-/// seq_q]`). Launch with `CubeDim::new_2d(plane_dim, planes)`.
+/// seq_q]`). Launch with `CubeDim::new_2d(plane_dim, planes)`, one cube per `planes × 16` query
+/// rows and batch·head.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
@@ -46,6 +55,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] planes: usize,
+    #[comptime] kv_frags: usize,
     #[comptime] plane_dim: usize,
     #[comptime] causal: bool,
     #[comptime] has_mask: bool,
@@ -56,6 +66,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let seq_k = seq_k as usize;
     let threads = planes * plane_dim;
     let block_q = planes * FRAG;
+    let block_kv = kv_frags * FRAG;
     // Rows of the plane's 16 that one lane runs the softmax for (several when planes are
     // narrower than 16 lanes, as on CPU Vulkan drivers).
     let rows_per_lane = comptime!(FRAG.div_ceil(plane_dim));
@@ -73,10 +84,10 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     // Fragment loads and stores need 32-byte aligned addresses (CUDA's wmma); every
     // fragment offset below is a multiple of 16 elements, so aligned bases suffice.
     let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
-    let mut k_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
-    let mut v_s = SharedMemory::<F>::new_aligned(FRAG * head_dim, ALIGN);
-    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * FRAG, ALIGN);
-    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * FRAG, ALIGN);
+    let mut k_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_kv, ALIGN);
+    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_kv, ALIGN);
     let mut o_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
     let mut row_s = SharedMemory::<f32>::new(planes * FRAG);
 
@@ -107,38 +118,42 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         }
     }
     #[allow(clippy::manual_div_ceil)]
-    let num_tiles = (kv_end + FRAG - 1) / FRAG;
-    let s_off = plane * FRAG * FRAG;
+    let num_tiles = (kv_end + block_kv - 1) / block_kv;
+    let s_off = plane * FRAG * block_kv;
 
     for t in 0..num_tiles {
-        let kv0 = t * FRAG;
+        let kv0 = t * block_kv;
         stage_rows::<F, F>(
-            k, &mut k_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
         stage_rows::<F, F>(
-            v, &mut v_s, 0usize, kv_base, kv0, seq_k, FRAG, head_dim, threads,
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
         sync_cube();
 
-        // S = Q·Kᵀ for the plane's 16 rows (Kᵀ: the staged key rows read column-major).
-        block_product::<F>(
-            &q_s,
-            plane * FRAG * head_dim,
-            head_dim,
-            FRAG,
-            &k_s,
-            0usize,
-            head_dim,
-            FRAG,
-            true,
-            &mut s_s,
-            s_off,
-            FRAG,
-            head_dim / FRAG,
-            false,
-            plane_dim,
-            use_cmma,
-        );
+        // S = Q·Kᵀ for the plane's 16 rows, 16 keys at a time (Kᵀ: the staged key rows read
+        // column-major).
+        #[unroll]
+        for n in 0..kv_frags {
+            block_product::<F>(
+                &q_s,
+                plane * FRAG * head_dim,
+                head_dim,
+                FRAG,
+                &k_s,
+                n * FRAG * head_dim,
+                head_dim,
+                FRAG,
+                true,
+                &mut s_s,
+                s_off + n * FRAG,
+                block_kv,
+                head_dim / FRAG,
+                false,
+                plane_dim,
+                use_cmma,
+            );
+        }
         sync_cube();
 
         // Online softmax, one row per lane (or several on narrow planes).
@@ -147,28 +162,28 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
             if r < FRAG {
                 let row = plane_row0 + r;
                 let mut tile_max = f32::new(HIDDEN);
-                for c in 0..FRAG {
+                for c in 0..block_kv {
                     let mut s = f32::new(HIDDEN);
                     if visible(mask, batch, row, kv0 + c, seq_q, seq_k, causal, has_mask) {
-                        s = s_s[s_off + r * FRAG + c] * scale;
+                        s = s_s[s_off + r * block_kv + c] * scale;
                         if s > tile_max {
                             tile_max = s;
                         }
                     }
-                    s_s[s_off + r * FRAG + c] = s;
+                    s_s[s_off + r * block_kv + c] = s;
                 }
                 let m_old = m[i];
                 let m_new = if tile_max > m_old { tile_max } else { m_old };
                 let corr = (m_old - m_new).exp();
                 let mut sum = l[i] * corr;
-                for c in 0..FRAG {
-                    let s = s_s[s_off + r * FRAG + c];
+                for c in 0..block_kv {
+                    let s = s_s[s_off + r * block_kv + c];
                     let mut p = f32::new(0.0);
                     if s > HIDDEN_THRESHOLD {
                         p = (s - m_new).exp();
                     }
                     sum += p;
-                    p_s[s_off + r * FRAG + c] = F::cast_from(p);
+                    p_s[s_off + r * block_kv + c] = F::cast_from(p);
                 }
                 m[i] = m_new;
                 l[i] = sum;
@@ -177,8 +192,9 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         }
         sync_cube();
 
-        // Rescale the output block by each row's correction, then O += P·V fragment by
-        // fragment with the block itself as the accumulator.
+        // Rescale the output block by each row's correction, then O += P·V, one 16-column
+        // block of the output at a time with the block itself as the accumulator and the
+        // tile's keys as the inner dimension.
         let mut e = lane;
         while e < FRAG * head_dim {
             o_s[o_off + e] *= row_s[plane * FRAG + e / head_dim];
@@ -190,17 +206,17 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
             block_product::<F>(
                 &p_s,
                 s_off,
-                FRAG,
+                block_kv,
                 FRAG,
                 &v_s,
                 f * FRAG,
                 head_dim,
-                FRAG,
+                FRAG * head_dim,
                 false,
                 &mut o_s,
                 o_off + f * FRAG,
                 head_dim,
-                ONE_STEP,
+                kv_frags,
                 true,
                 plane_dim,
                 use_cmma,

@@ -34,6 +34,10 @@ use cubecl::prelude::{ComputeClient, InputScalar};
 
 use crate::FusedOps;
 
+/// The runtime of Burn's CUDA backend (which Burn does not re-export), for the functions here
+/// that take a runtime type, such as [`attention_tile_shapes`].
+#[cfg(feature = "cuda")]
+pub use cubecl::cuda::CudaRuntime;
 pub use linear_ce::{linear_ce_piece, set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK};
 pub use matmul::{f32_matmul, set_f32_matmul, unit_matmul_launches, F32Matmul};
 
@@ -81,6 +85,77 @@ pub fn attention_kernel() -> AttentionKernel {
         2 => AttentionKernel::Tiles,
         _ => AttentionKernel::Auto,
     }
+}
+
+/// A cube shape for the tile attention kernels: `planes` planes (warps) per cube, each owning
+/// 16 output rows, and a streamed tile (keys for the forward and dQ, queries for dK/dV) of
+/// `stream_frags × 16` rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileShape {
+    /// Planes per cube.
+    pub planes: usize,
+    /// Streamed rows per tile, in 16-row fragments.
+    pub stream_frags: usize,
+}
+
+impl TileShape {
+    /// Largest accepted `planes` and `stream_frags` (a cube of 8 planes of 32 lanes is 256
+    /// threads; 8 fragments are 128 streamed rows).
+    pub const MAX: usize = 8;
+
+    /// The shape, or `None` when either count is 0 or above [`TileShape::MAX`].
+    pub fn new(planes: usize, stream_frags: usize) -> Option<TileShape> {
+        let ok = |n: usize| (1..=Self::MAX).contains(&n);
+        (ok(planes) && ok(stream_frags)).then_some(TileShape {
+            planes,
+            stream_frags,
+        })
+    }
+}
+
+/// `planes × 256 + stream_frags` of the forced shape, 0 for none.
+static ATTENTION_TILES: AtomicUsize = AtomicUsize::new(0);
+
+/// Forces the tile kernels' cube shape for the whole process (`None`, the default, lets each
+/// kernel take the first of its preferred shapes that fits the device's shared memory). A
+/// forced shape that does not fit makes the launchers use the portable kernels, which
+/// [`tiled_launches`] shows. For tests and for tuning the shapes with benchmarks.
+pub fn set_attention_tiles(shape: Option<TileShape>) {
+    let code = shape.map_or(0, |s| s.planes * 256 + s.stream_frags);
+    ATTENTION_TILES.store(code, Ordering::SeqCst);
+}
+
+/// The current [`set_attention_tiles`] choice.
+pub fn attention_tiles() -> Option<TileShape> {
+    match ATTENTION_TILES.load(Ordering::SeqCst) {
+        0 => None,
+        code => Some(TileShape {
+            planes: code / 256,
+            stream_frags: code % 256,
+        }),
+    }
+}
+
+/// The cube shapes the tile kernels (forward, dQ, dK/dV) take on `device` for `dtype` and
+/// `head_dim` under the current choices, `None` for a kernel that runs the portable kernel
+/// there; for benchmarks to report what they timed.
+pub fn attention_tile_shapes<R: CubeRuntime>(
+    device: &R::Device,
+    dtype: DType,
+    head_dim: usize,
+) -> [Option<TileShape>; 3] {
+    let client = R::client(device);
+    [
+        attention::TileKernel::Forward,
+        attention::TileKernel::Dq,
+        attention::TileKernel::DkDv,
+    ]
+    .map(|kernel| {
+        attention::tiles_plan(&client, kernel, dtype, head_dim).map(|p| TileShape {
+            planes: p.planes,
+            stream_frags: p.stream_frags,
+        })
+    })
 }
 
 /// How many times each tile kernel ran in this process, so tests and benchmarks can tell

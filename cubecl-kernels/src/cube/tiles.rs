@@ -9,9 +9,6 @@ use cubecl::prelude::*;
 /// offer for f16/bf16 with f32 accumulation).
 pub(crate) const FRAG: usize = 16;
 
-/// `k_frags` of a product over one 16-wide step of the inner dimension.
-pub(crate) const ONE_STEP: usize = 1;
-
 /// Byte alignment of the shared-memory operands of fragment loads and stores (CUDA's wmma
 /// needs 32 bytes). Every fragment offset the kernels use is a multiple of 16 elements, so
 /// aligned array bases suffice.

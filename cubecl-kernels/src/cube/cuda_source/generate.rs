@@ -6,16 +6,14 @@ use cubecl::cuda::CudaCompiler;
 use cubecl::prelude::*;
 use cubecl::CubeTask;
 
-use super::super::attention::{block_k, TileKernel, BLOCK_Q};
+use super::super::attention::{block_k, tile_shared_bytes, TileKernel, TilePlan, BLOCK_Q};
 use super::super::cross_entropy::{
     ce_chunk_grad_kernel, ce_chunk_stats_kernel, ce_finish_kernel, ce_valid_kernel,
 };
 use super::super::flash_bwd::{flash_dkdv_kernel, flash_dq_kernel};
-use super::super::flash_bwd_tiles::{
-    dkdv_shared_bytes, dq_shared_bytes, flash_dkdv_tiles_kernel, flash_dq_tiles_kernel,
-};
+use super::super::flash_bwd_tiles::{flash_dkdv_tiles_kernel, flash_dq_tiles_kernel};
 use super::super::flash_fwd::flash_fwd_kernel;
-use super::super::flash_fwd_tiles::{flash_fwd_tiles_kernel, shared_bytes};
+use super::super::flash_fwd_tiles::flash_fwd_tiles_kernel;
 use super::super::linear_ce::{FINISH_THREADS, GRAD_ROW_THREADS, GRAD_TILE, STATS_THREADS};
 use super::super::linear_gelu::{ROW_THREADS, TILE};
 use super::super::mlp::{bias_gelu_dz_kernel, bias_gelu_fwd_kernel};
@@ -100,15 +98,29 @@ impl<R: Runtime> Generator<'_, R> {
         &self,
         kernel: TileKernel,
         a: Attention,
-        (planes, plane_dim, use_cmma): (usize, usize, bool),
+        plan: TilePlan,
     ) -> Result<CudaKernelSource, CudaSourceError> {
         let d = a.head_dim;
-        let elem = a.dtype.size();
-        let dim = CubeDim::new_2d(plane_dim as u32, planes as u32);
-        let settings = Self::settings(dim);
+        let TilePlan {
+            planes,
+            stream_frags,
+            plane_dim,
+            use_cmma,
+        } = plan;
+        let settings = Self::settings(plan.cube_dim());
         let client = self.client.clone();
         let dtype: StorageType = a.dtype.into();
-        let name = a.label(kernel, &format!("tiles, {planes} planes, cmma {use_cmma}"));
+        let name = a.label(
+            kernel,
+            &format!("tiles, {planes} planes × {stream_frags} streamed, cmma {use_cmma}"),
+        );
+        let planned = Some(tile_shared_bytes(
+            kernel,
+            planes,
+            stream_frags,
+            d,
+            a.dtype.size(),
+        ));
         let (c, m) = (a.causal, a.has_mask);
         match kernel {
             TileKernel::Forward => self.compile(
@@ -128,13 +140,14 @@ impl<R: Runtime> Generator<'_, R> {
                     (),
                     d,
                     planes,
+                    stream_frags,
                     plane_dim,
                     c,
                     m,
                     use_cmma,
                     dtype,
                 ),
-                Some(shared_bytes(planes, d, elem)),
+                planned,
                 use_cmma,
             ),
             TileKernel::Dq => self.compile(
@@ -156,13 +169,14 @@ impl<R: Runtime> Generator<'_, R> {
                     (),
                     d,
                     planes,
+                    stream_frags,
                     plane_dim,
                     c,
                     m,
                     use_cmma,
                     dtype,
                 ),
-                Some(dq_shared_bytes(planes, d, elem)),
+                planned,
                 use_cmma,
             ),
             TileKernel::DkDv => self.compile(
@@ -185,13 +199,14 @@ impl<R: Runtime> Generator<'_, R> {
                     (),
                     d,
                     planes,
+                    stream_frags,
                     plane_dim,
                     c,
                     m,
                     use_cmma,
                     dtype,
                 ),
-                Some(dkdv_shared_bytes(planes, d, elem)),
+                planned,
                 use_cmma,
             ),
         }

@@ -27,7 +27,9 @@ use cubecl_cpp::cuda::arch::CudaArchitecture;
 use cubecl_cpp::cuda::mma::CudaWmmaCompiler;
 use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures, DialectWmmaCompiler};
 
-use super::attention::{all_tiles_on_tensor_cores, has_tile_fragments, plan_tiles, TileKernel};
+use super::attention::{
+    all_tiles_on_tensor_cores, has_tile_fragments, plan_tiles, TileKernel, TilePlan,
+};
 use super::AttentionKernel;
 use generate::{Attention, Generator};
 
@@ -71,10 +73,11 @@ impl CudaTarget {
         kernel: TileKernel,
         dtype: DType,
         head_dim: usize,
-    ) -> Option<(usize, usize, bool)> {
+    ) -> Option<TilePlan> {
         let fragments = self.fragments();
         plan_tiles(
             choice,
+            None,
             has_tile_fragments(fragments.iter(), dtype),
             Self::WARP,
             self.max_shared_bytes,

@@ -21,7 +21,12 @@
 //! cargo run --release --features cuda --example kernel_bench -- --json kernels.json
 //! cargo run --features wgpu --example kernel_bench -- --small      # the CPU check
 //! cargo run --features wgpu --example kernel_bench -- --ce-memory-only
+//! cargo run --release --features cuda --example kernel_bench -- --attn-only --attn-tiles 4x4,2x1
 //! ```
+//!
+//! `--attn-tiles PxF,…` also times the attention tile kernels under each forced cube shape
+//! (`P` planes, streamed tiles of `F` 16-row fragments; [`bench::tile_sweep`]), and
+//! `--attn-only` skips the MLP, the cross-entropy and the memory measurements.
 //!
 //! The last one measures the cross-entropy memory at the production shape on the CPU Vulkan
 //! adapter (minutes: the two paths' forward and backward are about 5 TFLOP).
@@ -31,6 +36,8 @@
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench {
+    pub(crate) mod tile_sweep;
+
     use std::process::Command;
     use std::time::Instant;
 
@@ -48,6 +55,7 @@ mod bench {
     #[cfg(feature = "cuda")]
     mod dev {
         pub type B = burn::backend::cuda::Cuda;
+        pub type R = cubecl_kernels::cube::CudaRuntime;
         pub fn device() -> burn::backend::cuda::CudaDevice {
             burn::backend::cuda::CudaDevice::default()
         }
@@ -60,6 +68,7 @@ mod bench {
     #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
     mod dev {
         pub type B = burn::backend::wgpu::Wgpu;
+        pub type R = burn::backend::wgpu::WgpuRuntime;
         use burn::backend::wgpu::{graphics, init_setup, MemoryConfiguration, RuntimeOptions};
         pub fn device() -> burn::backend::wgpu::WgpuDevice {
             burn::backend::wgpu::WgpuDevice::Cpu
@@ -111,7 +120,7 @@ mod bench {
 
     /// Mean milliseconds of `f` over `reps` runs after two warm-up runs, the device synchronised
     /// around the timed loop (launches are asynchronous).
-    fn time_ms(device: &Device, reps: usize, mut f: impl FnMut()) -> f64 {
+    pub(crate) fn time_ms(device: &Device, reps: usize, mut f: impl FnMut()) -> f64 {
         for _ in 0..2 {
             f();
         }
@@ -168,7 +177,7 @@ mod bench {
     };
 
     /// One op's inputs under autodiff, made before a memory measurement starts.
-    enum OpInputs {
+    pub(crate) enum OpInputs {
         /// q, k, v `[batch, heads, seq, head_dim]`, causal.
         Attention([Tensor<A, 4>; 3]),
         /// x `[n, d_in]`, W `[d_in, d_out]`, b `[d_out]`.
@@ -213,7 +222,7 @@ mod bench {
 
     /// Forward and backward of one op: the fused kernel, or Burn's own path (its attention op
     /// under autodiff; matmul, bias add and GELU; materialised logits and log-softmax).
-    fn fwd_bwd(inputs: &OpInputs, fused: bool) {
+    pub(crate) fn fwd_bwd(inputs: &OpInputs, fused: bool) {
         match inputs {
             OpInputs::Attention([q, k, v]) => {
                 let [q, k, v] = [q, k, v].map(|t| t.clone().require_grad());
@@ -429,8 +438,8 @@ mod bench {
         if args.iter().any(|a| a == "--help" || a == "-h") {
             println!(
                 "kernel_bench [--small] [--attn-shape B,H,S,D] [--mlp-shape N,DIN,DOUT] \
-                 [--ce-shape N,HIDDEN,VOCAB] [--reps N] [--memory-only] [--json PATH]: the fused kernels \
-                 against Burn's path on {}",
+                 [--ce-shape N,HIDDEN,VOCAB] [--reps N] [--memory-only] [--attn-only] \
+                 [--attn-tiles PxF,...] [--json PATH]: the fused kernels against Burn's path on {}",
                 dev::NAME
             );
             return;
@@ -456,6 +465,14 @@ mod bench {
         if let Some(text) = value_of("--reps") {
             shapes.reps = parse_dims::<1>("--reps", &text, "a positive number of timed runs")[0];
         }
+        let tile_shapes = match value_of("--attn-tiles") {
+            Some(text) => tile_sweep::parse_shapes(&text).unwrap_or_else(|e| {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }),
+            None => Vec::new(),
+        };
+        let attn_only = args.iter().any(|a| a == "--attn-only");
         let shapes = &shapes;
         if let Some(i) = args.iter().position(|a| a == "--mem-child") {
             let op = args.get(i + 1).and_then(|o| Op::parse(o));
@@ -525,6 +542,22 @@ mod bench {
             shapes.reps,
         );
         attn_kernels["default_kernels"] = kernels.into();
+        let attn_inputs = op_inputs(Op::Attention, &device, shapes, half);
+        attn_kernels["default_tile_shapes"] =
+            tile_sweep::shapes_json(&device, half, shapes.attn[3]);
+        attn_kernels["tile_sweep"] =
+            tile_sweep::sweep(&device, &attn_inputs, shapes.reps, &tile_shapes, half);
+        if attn_only {
+            let json = serde_json::json!({
+                "backend": dev::NAME,
+                "dtype": format!("{half:?}"),
+                "attn_shape": shapes.attn,
+                "attn_fwd_bwd_ms": attn,
+                "attn_kernels_ms": attn_kernels,
+            });
+            write_json(value_of("--json"), &json);
+            return;
+        }
         let (mlp_fused_fwd, mlp_burn_fwd) = mlp_forward_ms(&device, shapes, half);
         eprintln!("mlp fwd: fused {mlp_fused_fwd:.3} ms, Burn {mlp_burn_fwd:.3} ms");
         let mlp = time_op(Op::Mlp, shapes.reps);
@@ -570,7 +603,12 @@ mod bench {
             "ce_f32_matmul_ms": ce_f32,
             "peak_bytes": peak,
         });
-        match value_of("--json") {
+        write_json(value_of("--json"), &json);
+    }
+
+    /// The results to `path`, or to standard output without one.
+    fn write_json(path: Option<String>, json: &serde_json::Value) {
+        match path {
             Some(path) => std::fs::write(&path, json.to_string()).expect("write the JSON results"),
             None => println!("{json}"),
         }
