@@ -139,6 +139,15 @@ fn every_kernel_generates_and_compiles_for_hopper() {
             );
             if source.tensor_cores {
                 check_wmma_alignment(&source.name, &source.source);
+                // A plane's own blocks are ordered with warp barriers on CUDA, the streamed
+                // tiles with cube barriers: both must be there.
+                for barrier in ["__syncwarp()", "__syncthreads()"] {
+                    assert!(
+                        source.source.contains(barrier),
+                        "{}: no {barrier}",
+                        source.name
+                    );
+                }
             }
             tensor_core_kernels += usize::from(source.tensor_cores);
             // ptxas, as the driver runs it when it loads the PTX.

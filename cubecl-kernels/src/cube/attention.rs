@@ -80,6 +80,9 @@ pub(crate) struct TilePlan {
     pub(crate) plane_dim: usize,
     /// Whether the fragment products run on tensor cores (`cmma`).
     pub(crate) use_cmma: bool,
+    /// Whether a plane's own data is ordered with a warp barrier instead of a cube barrier
+    /// (CUDA only; see [`super::tiles::sync_plane_data`]).
+    pub(crate) warp_sync: bool,
 }
 
 impl TilePlan {
@@ -133,6 +136,7 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
         attention_kernel(),
         attention_tiles(),
         has_tile_fragments(props.features.matmul.cmma.iter(), dtype),
+        R::name(client) == "cuda",
         hw.plane_size_max.max(1) as usize,
         hw.max_shared_memory_size,
         kernel,
@@ -172,12 +176,13 @@ pub(crate) fn has_tile_fragments<'a>(
 /// of 16, no cube shape fits in shared memory (or the `forced` one does not), or, under
 /// [`AttentionKernel::Auto`], the device has no tensor-core fragment of the input type).
 /// Fragments are plane-wide, so the cube's x dimension is the hardware plane width
-/// `plane_dim`.
+/// `plane_dim`. `cuda` says whether the runtime is CUDA's (warp barriers order shared memory).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_tiles(
     choice: AttentionKernel,
     forced: Option<TileShape>,
     has_cmma: bool,
+    cuda: bool,
     plane_dim: usize,
     device_shared_bytes: usize,
     kernel: TileKernel,
@@ -197,6 +202,7 @@ pub(crate) fn plan_tiles(
         stream_frags,
         plane_dim,
         use_cmma: has_cmma,
+        warp_sync: cuda,
     })
 }
 
@@ -261,6 +267,7 @@ where
             causal,
             has_mask,
             plan.use_cmma,
+            plan.warp_sync,
             dtype.into(),
         );
         return (out, lse);
@@ -357,6 +364,7 @@ where
             causal,
             has_mask,
             plan.use_cmma,
+            plan.warp_sync,
             dtype.into(),
         );
     } else {
@@ -410,6 +418,7 @@ where
             causal,
             has_mask,
             plan.use_cmma,
+            plan.warp_sync,
             dtype.into(),
         );
     } else {
@@ -461,6 +470,7 @@ mod tests {
         plan_tiles(
             AttentionKernel::Auto,
             forced,
+            true,
             true,
             32,
             budget,

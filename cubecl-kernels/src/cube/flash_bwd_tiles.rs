@@ -14,7 +14,7 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
-use super::tiles::{block_product, stage_rows, stage_values, ALIGN, FRAG};
+use super::tiles::{block_product, stage_rows, stage_values, sync_plane_data, ALIGN, FRAG};
 
 /// Shared memory the dQ kernel declares, in bytes, for `planes` planes and key tiles of
 /// `kv_frags × 16` keys.
@@ -70,6 +70,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     #[comptime] causal: bool,
     #[comptime] has_mask: bool,
     #[comptime] use_cmma: bool,
+    #[comptime] warp_sync: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let seq_q = seq_q as usize;
@@ -171,7 +172,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
                 use_cmma,
             );
         }
-        sync_cube();
+        sync_plane_data(warp_sync);
         let mut e = lane;
         while e < FRAG * block_kv {
             let r = plane * FRAG + e / block_kv;
@@ -192,7 +193,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
             ds_s[blk + e] = F::cast_from(ds);
             e += plane_dim;
         }
-        sync_cube();
+        sync_plane_data(warp_sync);
         // dQ += dS·K, one 16-column block of the head dimension at a time, the tile's keys
         // as the inner dimension.
         #[unroll]
@@ -256,6 +257,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     #[comptime] causal: bool,
     #[comptime] has_mask: bool,
     #[comptime] use_cmma: bool,
+    #[comptime] warp_sync: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let seq_q = seq_q as usize;
@@ -361,7 +363,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
                 use_cmma,
             );
         }
-        sync_cube();
+        sync_plane_data(warp_sync);
         let mut e = lane;
         while e < FRAG * block_q {
             let i = e % block_q;
@@ -376,7 +378,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             ds_s[blk + e] = F::cast_from(ds);
             e += plane_dim;
         }
-        sync_cube();
+        sync_plane_data(warp_sync);
         // dV += Pᵀ·dO and dK += dSᵀ·Q, one 16-column block of the head dimension at a time,
         // the tile's queries as the inner dimension.
         #[unroll]

@@ -19,7 +19,7 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
-use super::tiles::{block_product, stage_rows, ALIGN, FRAG};
+use super::tiles::{block_product, stage_rows, sync_plane_data, ALIGN, FRAG};
 
 /// Shared memory the kernel declares, in bytes, for `planes` planes and key tiles of
 /// `kv_frags × 16` keys (the launcher picks a plan that fits the device).
@@ -60,6 +60,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     #[comptime] causal: bool,
     #[comptime] has_mask: bool,
     #[comptime] use_cmma: bool,
+    #[comptime] warp_sync: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let seq_q = seq_q as usize;
@@ -154,7 +155,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
                 use_cmma,
             );
         }
-        sync_cube();
+        sync_plane_data(warp_sync);
 
         // Online softmax, one row per lane (or several on narrow planes).
         for i in 0..rows_per_lane {
@@ -190,7 +191,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
                 row_s[plane * FRAG + r] = corr;
             }
         }
-        sync_cube();
+        sync_plane_data(warp_sync);
 
         // Rescale the output block by each row's correction, then O += P·V, one 16-column
         // block of the output at a time with the block itself as the accumulator and the
@@ -200,7 +201,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
             o_s[o_off + e] *= row_s[plane * FRAG + e / head_dim];
             e += plane_dim;
         }
-        sync_cube();
+        sync_plane_data(warp_sync);
         #[unroll]
         for f in 0..head_dim / FRAG {
             block_product::<F>(
@@ -244,7 +245,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
             }
         }
     }
-    sync_cube();
+    sync_plane_data(warp_sync);
     let mut e = lane;
     while e < FRAG * head_dim {
         let r = e / head_dim;

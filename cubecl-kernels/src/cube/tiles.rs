@@ -172,3 +172,17 @@ pub(crate) fn block_product<F: Float>(
         }
     }
 }
+
+/// Orders the shared-memory accesses of one plane's lanes, for data only that plane writes
+/// and reads (its score, probability and accumulator blocks): CUDA's warp barrier where
+/// `warp_sync` (it orders shared memory among the warp's threads, and leaves the other warps
+/// of the cube running), else a cube barrier. Not a plane barrier elsewhere: WGSL has none,
+/// and SPIR-V's is emitted with relaxed memory semantics, which order nothing.
+#[cube]
+pub(crate) fn sync_plane_data(#[comptime] warp_sync: bool) {
+    if warp_sync {
+        sync_plane();
+    } else {
+        sync_cube();
+    }
+}

@@ -106,13 +106,17 @@ impl<R: Runtime> Generator<'_, R> {
             stream_frags,
             plane_dim,
             use_cmma,
+            warp_sync,
         } = plan;
         let settings = Self::settings(plan.cube_dim());
         let client = self.client.clone();
         let dtype: StorageType = a.dtype.into();
         let name = a.label(
             kernel,
-            &format!("tiles, {planes} planes × {stream_frags} streamed, cmma {use_cmma}"),
+            &format!(
+                "tiles, {planes} planes × {stream_frags} streamed, cmma {use_cmma}, warp sync \
+                 {warp_sync}"
+            ),
         );
         let planned = Some(tile_shared_bytes(
             kernel,
@@ -145,6 +149,7 @@ impl<R: Runtime> Generator<'_, R> {
                     c,
                     m,
                     use_cmma,
+                    warp_sync,
                     dtype,
                 ),
                 planned,
@@ -174,6 +179,7 @@ impl<R: Runtime> Generator<'_, R> {
                     c,
                     m,
                     use_cmma,
+                    warp_sync,
                     dtype,
                 ),
                 planned,
@@ -204,6 +210,7 @@ impl<R: Runtime> Generator<'_, R> {
                     c,
                     m,
                     use_cmma,
+                    warp_sync,
                     dtype,
                 ),
                 planned,

@@ -79,6 +79,7 @@ impl CudaTarget {
             choice,
             None,
             has_tile_fragments(fragments.iter(), dtype),
+            true,
             Self::WARP,
             self.max_shared_bytes,
             kernel,
