@@ -51,6 +51,12 @@ where
 /// per streaming multiprocessor on Hopper (228 KB) and one on Ampere (164 KB).
 const TILES_SHARED_CAP: usize = 112 * 1024;
 
+/// Lanes per plane of the tile kernels where their fragment products run on the lanes (no
+/// tensor cores): those planes need no hardware subgroup (every barrier is a cube barrier),
+/// so they take CUDA's warp width and run the index arithmetic of the GPU's kernels, for
+/// example two lanes per softmax row, also on a CPU Vulkan device whose subgroups are 8 wide.
+const EMULATED_PLANE: usize = 32;
+
 /// The cube shapes a tile kernel may run with, `(planes, stream_frags)`, most preferred first:
 /// the first that fits in shared memory is taken. A wider streamed tile means fewer barriers,
 /// staging rounds and accumulator round trips per key; more planes share each staged tile
@@ -176,7 +182,7 @@ pub(crate) fn has_tile_fragments<'a>(
 /// of 16, no cube shape fits in shared memory (or the `forced` one does not), or, under
 /// [`AttentionKernel::Auto`], the device has no tensor-core fragment of the input type).
 /// Fragments are plane-wide, so the cube's x dimension is the hardware plane width
-/// `plane_dim`. `cuda` says whether the runtime is CUDA's (warp barriers order shared memory).
+/// `plane_dim` (or [`EMULATED_PLANE`] without tensor cores). `cuda` says whether the runtime is CUDA's (warp barriers order shared memory).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_tiles(
     choice: AttentionKernel,
@@ -200,7 +206,7 @@ pub(crate) fn plan_tiles(
     Some(TilePlan {
         planes,
         stream_frags,
-        plane_dim,
+        plane_dim: if has_cmma { plane_dim } else { EMULATED_PLANE },
         use_cmma: has_cmma,
         warp_sync: cuda,
     })

@@ -21,8 +21,18 @@ use cubecl::prelude::*;
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
 use super::tiles::{block_product, stage_rows, sync_plane_data, ALIGN, FRAG};
 
+/// Most lanes that share one row of the softmax (bounds its scratch memory; lanes past
+/// `16 × MAX_LANES_PER_ROW` in a plane, on planes wider than 64, idle in the softmax).
+const MAX_LANES_PER_ROW: usize = 4;
+
+/// Lanes per softmax row on planes of `plane_dim` lanes (see [`MAX_LANES_PER_ROW`]).
+pub(crate) fn softmax_lanes_per_row(plane_dim: usize) -> usize {
+    (plane_dim / FRAG).clamp(1, MAX_LANES_PER_ROW)
+}
+
 /// Shared memory the kernel declares, in bytes, for `planes` planes and key tiles of
-/// `kv_frags × 16` keys (the launcher picks a plan that fits the device).
+/// `kv_frags × 16` keys (the launcher picks a plan that fits the device), at most: the
+/// softmax scratch is counted for [`MAX_LANES_PER_ROW`].
 pub(crate) fn shared_bytes(
     planes: usize,
     kv_frags: usize,
@@ -31,8 +41,10 @@ pub(crate) fn shared_bytes(
 ) -> usize {
     let block_kv = kv_frags * FRAG;
     let halves = planes * FRAG * head_dim + 2 * block_kv * head_dim + planes * FRAG * block_kv;
-    let floats = planes * FRAG * block_kv + planes * FRAG * head_dim + planes * FRAG;
-    halves * elem_bytes + floats * 4 + 6 * ALIGN
+    let floats = planes * FRAG * block_kv
+        + planes * FRAG * head_dim
+        + planes * FRAG * (1 + 2 * MAX_LANES_PER_ROW);
+    halves * elem_bytes + floats * 4 + 8 * ALIGN
 }
 
 /// Forward kernel; same contract as [`super::flash_fwd::flash_fwd_kernel`]: contiguous
@@ -68,9 +80,12 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let threads = planes * plane_dim;
     let block_q = planes * FRAG;
     let block_kv = kv_frags * FRAG;
-    // Rows of the plane's 16 that one lane runs the softmax for (several when planes are
-    // narrower than 16 lanes, as on CPU Vulkan drivers).
+    // The softmax's split of the plane's 16 rows over its lanes: several lanes per row on
+    // planes wider than 16 lanes (CUDA's 32), each taking every `lanes_per_row`-th column,
+    // so that no lane idles; several rows per lane on narrower planes.
+    let lanes_per_row = comptime!(softmax_lanes_per_row(plane_dim));
     let rows_per_lane = comptime!(FRAG.div_ceil(plane_dim));
+    let cols_per_lane = comptime!(block_kv / lanes_per_row);
 
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -79,6 +94,9 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let tile = CUBE_POS_X as usize;
     let q0 = tile * block_q;
     let plane_row0 = q0 + plane * FRAG;
+    // This lane's column class in the softmax, and its first row.
+    let part = lane / FRAG;
+    let row_in = lane % FRAG;
     let q_base = bh * seq_q * head_dim;
     let kv_base = bh * seq_k * head_dim;
 
@@ -91,6 +109,10 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_kv, ALIGN);
     let mut o_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
     let mut row_s = SharedMemory::<f32>::new(planes * FRAG);
+    // Each row's partial maxima and sums, one per lane of the row.
+    let mut max_s = SharedMemory::<f32>::new(planes * FRAG * lanes_per_row);
+    let mut sum_s = SharedMemory::<f32>::new(planes * FRAG * lanes_per_row);
+    let red = plane * FRAG * lanes_per_row;
 
     stage_rows::<F, F>(
         q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
@@ -101,11 +123,14 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         o_s[o_off + e] = 0.0f32;
         e += plane_dim;
     }
+    // Every lane of a row keeps the row's running max and sum (the same values).
     let mut m = Array::<f32>::new(rows_per_lane);
     let mut l = Array::<f32>::new(rows_per_lane);
+    let mut corr = Array::<f32>::new(rows_per_lane);
     for i in 0..rows_per_lane {
         m[i] = HIDDEN;
         l[i] = 0.0f32;
+        corr[i] = 1.0f32;
     }
     sync_cube();
 
@@ -157,38 +182,69 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         }
         sync_plane_data(warp_sync);
 
-        // Online softmax, one row per lane (or several on narrow planes).
+        // Online softmax in three steps, each lane over its columns of its rows: scaled
+        // scores and partial maxima; the row max, probabilities and partial sums; the row
+        // sum and the correction of the output block.
         for i in 0..rows_per_lane {
-            let r = lane + i * plane_dim;
-            if r < FRAG {
+            let r = row_in + i * plane_dim;
+            if r < FRAG && part < lanes_per_row {
                 let row = plane_row0 + r;
-                let mut tile_max = f32::new(HIDDEN);
-                for c in 0..block_kv {
+                let mut part_max = f32::new(HIDDEN);
+                for j in 0..cols_per_lane {
+                    let c = part + j * lanes_per_row;
                     let mut s = f32::new(HIDDEN);
                     if visible(mask, batch, row, kv0 + c, seq_q, seq_k, causal, has_mask) {
                         s = s_s[s_off + r * block_kv + c] * scale;
-                        if s > tile_max {
-                            tile_max = s;
+                        if s > part_max {
+                            part_max = s;
                         }
                     }
                     s_s[s_off + r * block_kv + c] = s;
                 }
+                max_s[red + r * lanes_per_row + part] = part_max;
+            }
+        }
+        sync_plane_data(warp_sync);
+        for i in 0..rows_per_lane {
+            let r = row_in + i * plane_dim;
+            if r < FRAG && part < lanes_per_row {
+                let mut tile_max = f32::new(HIDDEN);
+                for x in 0..lanes_per_row {
+                    let y = max_s[red + r * lanes_per_row + x];
+                    if y > tile_max {
+                        tile_max = y;
+                    }
+                }
                 let m_old = m[i];
                 let m_new = if tile_max > m_old { tile_max } else { m_old };
-                let corr = (m_old - m_new).exp();
-                let mut sum = l[i] * corr;
-                for c in 0..block_kv {
+                corr[i] = (m_old - m_new).exp();
+                m[i] = m_new;
+                let mut part_sum = f32::new(0.0);
+                for j in 0..cols_per_lane {
+                    let c = part + j * lanes_per_row;
                     let s = s_s[s_off + r * block_kv + c];
                     let mut p = f32::new(0.0);
                     if s > HIDDEN_THRESHOLD {
                         p = (s - m_new).exp();
                     }
-                    sum += p;
+                    part_sum += p;
                     p_s[s_off + r * block_kv + c] = F::cast_from(p);
                 }
-                m[i] = m_new;
-                l[i] = sum;
-                row_s[plane * FRAG + r] = corr;
+                sum_s[red + r * lanes_per_row + part] = part_sum;
+            }
+        }
+        sync_plane_data(warp_sync);
+        for i in 0..rows_per_lane {
+            let r = row_in + i * plane_dim;
+            if r < FRAG && part < lanes_per_row {
+                let mut tile_sum = f32::new(0.0);
+                for x in 0..lanes_per_row {
+                    tile_sum += sum_s[red + r * lanes_per_row + x];
+                }
+                l[i] = l[i] * corr[i] + tile_sum;
+                if part == 0 {
+                    row_s[plane * FRAG + r] = corr[i];
+                }
             }
         }
         sync_plane_data(warp_sync);
@@ -230,8 +286,8 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     // Each row's 1/l (0 for a row that saw no key, which outputs 0 with the sentinel
     // log-sum-exp, as the portable kernel does), then the output in the input dtype.
     for i in 0..rows_per_lane {
-        let r = lane + i * plane_dim;
-        if r < FRAG {
+        let r = row_in + i * plane_dim;
+        if r < FRAG && part == 0 {
             let row = plane_row0 + r;
             let mut inv = f32::new(0.0);
             let mut row_lse = f32::new(HIDDEN);
