@@ -62,7 +62,13 @@ fn tiled_attention_matches_f64_oracle() {
     }
     for (dtype, shape, causal, masked) in cases {
         let before = tiled_launches();
-        let c = attn_case(&mut rng, shape, causal, masked);
+        let mut c = attn_case(&mut rng, shape, causal, masked);
+        // Keys that grow along the sequence push each row's max up by far more than the
+        // forward's rescale threshold several times per row, so the rescale runs after
+        // tiles that already accumulated output, not only on the first.
+        if shape[2] > 40 {
+            c.key_ramp = 12.0;
+        }
         let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
         check_attention_dtype::<Wgpu>(&dev, &mut rng, &c, dtype, tol);
         let after = tiled_launches();
@@ -106,7 +112,8 @@ fn tiled_attention_matches_f64_oracle() {
             "{label}: a kernel does not fit lavapipe's shared memory"
         );
         let before = tiled_launches();
-        let c = attn_case(&mut rng, shape, causal, masked);
+        let mut c = attn_case(&mut rng, shape, causal, masked);
+        c.key_ramp = 12.0;
         let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
         check_attention_dtype::<Wgpu>(&dev, &mut rng, &c, dtype, tol);
         let after = tiled_launches();

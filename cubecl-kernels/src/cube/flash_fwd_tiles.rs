@@ -6,7 +6,8 @@
 //! plane computes its scores `S = Q·Kᵀ` as 16×16 matrix products, runs the online softmax on
 //! them row by row, and adds `P·V` to its output block. The output block lives in shared
 //! memory as f32 rather than in accumulator fragments, because the online softmax must
-//! rescale it row by row, which fragments (opaque layouts) cannot do; each `P·V` product
+//! rescale it row by row, which fragments (opaque layouts) cannot do; that rescale happens
+//! only when a row's max rises past a threshold (see `RESCALE_THRESHOLD`); each `P·V` product
 //! loads the block as its accumulator, adds the whole tile's keys, and stores it back, so a
 //! wider key tile means fewer of these round trips and fewer barriers per key.
 //! Memory is `O(seq · head_dim)`: no `[seq_q × seq_k]` buffer exists anywhere.
@@ -20,6 +21,15 @@ use cubecl::prelude::*;
 
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
 use super::tiles::{block_product, stage_rows, sync_plane_data, ALIGN, FRAG};
+
+/// How far (in units of the scaled scores) a row's scores may rise above the max its
+/// probabilities are taken against before that reference moves and the output block is
+/// rescaled. Probabilities then reach at most e⁸ ≈ 2981, well inside f16 (65504) and bf16,
+/// whose relative precision does not depend on magnitude; the row's sum and output carry the
+/// same factor and it cancels in `O / l` and in `lse = m + ln l`. As in FlashAttention-4, this
+/// turns the per-tile rescale of the whole block into a rare one: after the first tile a
+/// row's max seldom rises that much.
+const RESCALE_THRESHOLD: f32 = 8.0;
 
 /// Most lanes that share one row of the softmax (bounds its scratch memory; lanes past
 /// `16 × MAX_LANES_PER_ROW` in a plane, on planes wider than 64, idle in the softmax).
@@ -215,8 +225,14 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
                         tile_max = y;
                     }
                 }
+                // The reference max moves only when the tile's max passes it by more than
+                // the threshold (see RESCALE_THRESHOLD), so most tiles leave the output
+                // block as it is.
                 let m_old = m[i];
-                let m_new = if tile_max > m_old { tile_max } else { m_old };
+                let mut m_new = m_old;
+                if tile_max > m_old + RESCALE_THRESHOLD {
+                    m_new = tile_max;
+                }
                 corr[i] = (m_old - m_new).exp();
                 m[i] = m_new;
                 let mut part_sum = f32::new(0.0);
@@ -252,10 +268,19 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         // Rescale the output block by each row's correction, then O += P·V, one 16-column
         // block of the output at a time with the block itself as the accumulator and the
         // tile's keys as the inner dimension.
-        let mut e = lane;
-        while e < FRAG * head_dim {
-            o_s[o_off + e] *= row_s[plane * FRAG + e / head_dim];
-            e += plane_dim;
+        // Skipped (by the whole plane alike) when no row's reference max moved.
+        let mut moved = false;
+        for r in 0..FRAG {
+            if row_s[plane * FRAG + r] != 1.0f32 {
+                moved = true;
+            }
+        }
+        if moved {
+            let mut e = lane;
+            while e < FRAG * head_dim {
+                o_s[o_off + e] *= row_s[plane * FRAG + e / head_dim];
+                e += plane_dim;
+            }
         }
         sync_plane_data(warp_sync);
         #[unroll]

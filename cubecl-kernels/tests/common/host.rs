@@ -11,6 +11,9 @@ pub struct AttnCase {
     pub causal: bool,
     /// `[b, sk]`, `true` = padded key.
     pub mask: Option<Vec<bool>>,
+    /// Key row `j` is scaled by `1 + key_ramp · j / sk` (0: plain random keys), so that
+    /// later keys score far higher and a row's running max keeps growing along the sequence.
+    pub key_ramp: f32,
 }
 
 /// `(out, lse, dq, dk, dv)` of attention in float64, for output gradient `dout`.

@@ -94,6 +94,7 @@ pub fn attn_case(rng: &mut Rng, shape: [usize; 5], causal: bool, masked: bool) -
         d,
         causal,
         mask,
+        key_ramp: 0.0,
     }
 }
 
@@ -118,22 +119,30 @@ pub fn check_attention_dtype<B: FusedOps>(
     tol: f64,
 ) {
     let (qn, kn) = (c.b * c.h * c.sq * c.d, c.b * c.h * c.sk * c.d);
-    let (q, k, v, g) = (
+    let (q, mut k, v, g) = (
         rounded(rng, qn, 1.5, dtype),
         rounded(rng, kn, 1.5, dtype),
         rounded(rng, kn, 1.0, dtype),
         rounded(rng, qn, 1.0, dtype),
     );
+    if c.key_ramp != 0.0 {
+        for (i, x) in k.iter_mut().enumerate() {
+            let j = (i / c.d) % c.sk;
+            *x *= 1.0 + c.key_ramp * j as f32 / c.sk as f32;
+        }
+        k = round_to(k, dtype);
+    }
     let want = host::attention(c, &q, &k, &v, &g);
     let label = format!(
-        "attention {dtype:?} b{} h{} sq{} sk{} d{} causal={} mask={}",
+        "attention {dtype:?} b{} h{} sq{} sk{} d{} causal={} mask={} key_ramp={}",
         c.b,
         c.h,
         c.sq,
         c.sk,
         c.d,
         c.causal,
-        c.mask.is_some()
+        c.mask.is_some(),
+        c.key_ramp
     );
 
     type A<B> = Autodiff<B>;
@@ -212,7 +221,13 @@ pub fn check_linear_gelu<B: FusedOps>(
 /// Fresh random values rounded to `dtype` on the host (kept as f32), so the oracle sees
 /// exactly the inputs the device computes with and the comparison measures the op alone.
 pub fn rounded(rng: &mut Rng, len: usize, scale: f32, dtype: DType) -> Vec<f32> {
-    TensorData::new(rng.vec(len, scale), [len])
+    round_to(rng.vec(len, scale), dtype)
+}
+
+/// `values` rounded to the nearest value of `dtype` (kept as f32).
+pub fn round_to(values: Vec<f32>, dtype: DType) -> Vec<f32> {
+    let len = values.len();
+    TensorData::new(values, [len])
         .convert_dtype(dtype)
         .convert::<f32>()
         .to_vec::<f32>()
