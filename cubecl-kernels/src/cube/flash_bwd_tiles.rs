@@ -14,7 +14,9 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
-use super::tiles::{block_product, stage_rows, stage_values, sync_plane_data, ALIGN, FRAG};
+use super::tiles::{
+    block_product, stage_rows_unrolled, stage_values, sync_plane_data, ALIGN, FRAG,
+};
 
 /// Shared memory the dQ kernel declares, in bytes, for `planes` planes and key tiles of
 /// `kv_frags × 16` keys.
@@ -99,10 +101,10 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
 
-    stage_rows::<F, F>(
+    stage_rows_unrolled::<F, F>(
         q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
     );
-    stage_rows::<F, F>(
+    stage_rows_unrolled::<F, F>(
         dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
     );
     stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
@@ -125,10 +127,10 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let num_tiles = (kv_end + block_kv - 1) / block_kv;
     for t in 0..num_tiles {
         let kv0 = t * block_kv;
-        stage_rows::<F, F>(
+        stage_rows_unrolled::<F, F>(
             k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
-        stage_rows::<F, F>(
+        stage_rows_unrolled::<F, F>(
             v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
         sync_cube();
@@ -288,10 +290,10 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
 
-    stage_rows::<F, F>(
+    stage_rows_unrolled::<F, F>(
         k, &mut k_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
     );
-    stage_rows::<F, F>(
+    stage_rows_unrolled::<F, F>(
         v, &mut v_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
     );
     let mut e = lane;
@@ -313,10 +315,10 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         let q0 = t * block_q;
         // The previous tile's last reads of q_s / do_s / lse_s / delta_s are behind the
         // barrier that ends it (or, for the first tile, nothing has read them yet).
-        stage_rows::<F, F>(
+        stage_rows_unrolled::<F, F>(
             q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
         );
-        stage_rows::<F, F>(
+        stage_rows_unrolled::<F, F>(
             dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
         );
         stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);

@@ -20,7 +20,7 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
-use super::tiles::{block_product, stage_rows, sync_plane_data, ALIGN, FRAG};
+use super::tiles::{block_product, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG};
 
 /// How far (in units of the scaled scores) a row's scores may rise above the max its
 /// probabilities are taken against before that reference moves and the output block is
@@ -124,7 +124,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let mut sum_s = SharedMemory::<f32>::new(planes * FRAG * lanes_per_row);
     let red = plane * FRAG * lanes_per_row;
 
-    stage_rows::<F, F>(
+    stage_rows_unrolled::<F, F>(
         q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
     );
     let o_off = plane * FRAG * head_dim;
@@ -159,10 +159,10 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
 
     for t in 0..num_tiles {
         let kv0 = t * block_kv;
-        stage_rows::<F, F>(
+        stage_rows_unrolled::<F, F>(
             k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
-        stage_rows::<F, F>(
+        stage_rows_unrolled::<F, F>(
             v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
         );
         sync_cube();

@@ -14,6 +14,10 @@ pub(crate) const FRAG: usize = 16;
 /// aligned array bases suffice.
 pub(crate) const ALIGN: usize = 32;
 
+/// Most elements per thread for which [`stage_rows_unrolled`] unrolls (64: a 64-row tile of head
+/// dimension 128 over 128 threads).
+const MAX_UNROLLED_STAGING: usize = 64;
+
 /// Copies rows `[row0, row0 + rows)` of a `[.., seq, head_dim]` slab starting at `base` into
 /// `dst` from element `dst_off`, converted to the shared memory's type `S` (the input type for
 /// fragment operands, f32 for the portable kernels), zeros past `seq` (padded rows stay finite
@@ -33,14 +37,60 @@ pub(crate) fn stage_rows<F: Float, S: Float>(
 ) {
     let mut idx = UNIT_POS as usize;
     while idx < rows * head_dim {
-        let r = row0 + idx / head_dim;
-        let mut x = S::new(0.0);
-        if r < seq {
-            x = S::cast_from(src[base + r * head_dim + idx % head_dim]);
-        }
-        dst[dst_off + idx] = x;
+        stage_element::<F, S>(src, dst, dst_off, base, row0, seq, idx, head_dim);
         idx += threads;
     }
+}
+
+/// [`stage_rows`] as straight-line code where each thread's share is a whole number of at
+/// most [`MAX_UNROLLED_STAGING`] elements: the compiler can then issue all of a thread's
+/// loads before its first store (the inputs are `restrict`) instead of waiting out each
+/// load's latency in turn. For the tile kernels; the portable kernels, which hold whole rows
+/// in registers, keep the loop (unrolled, the f32 forward spilled five times more on sm_90).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_rows_unrolled<F: Float, S: Float>(
+    src: &Tensor<F>,
+    dst: &mut SharedMemory<S>,
+    dst_off: usize,
+    base: usize,
+    row0: usize,
+    seq: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] threads: usize,
+) {
+    let total = comptime!(rows * head_dim);
+    if comptime!(total % threads == 0 && total / threads <= MAX_UNROLLED_STAGING) {
+        #[unroll]
+        for j in 0..total / threads {
+            let idx = UNIT_POS as usize + j * threads;
+            stage_element::<F, S>(src, dst, dst_off, base, row0, seq, idx, head_dim);
+        }
+    } else {
+        stage_rows::<F, S>(src, dst, dst_off, base, row0, seq, rows, head_dim, threads);
+    }
+}
+
+/// Element `idx` of [`stage_rows`]'s copy.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_element<F: Float, S: Float>(
+    src: &Tensor<F>,
+    dst: &mut SharedMemory<S>,
+    dst_off: usize,
+    base: usize,
+    row0: usize,
+    seq: usize,
+    idx: usize,
+    #[comptime] head_dim: usize,
+) {
+    let r = row0 + idx / head_dim;
+    let mut x = S::new(0.0);
+    if r < seq {
+        x = S::cast_from(src[base + r * head_dim + idx % head_dim]);
+    }
+    dst[dst_off + idx] = x;
 }
 
 /// Copies `rows` f32 values per row starting at `row0` of a `[.., seq]` vector into `dst`
