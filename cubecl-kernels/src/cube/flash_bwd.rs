@@ -85,10 +85,10 @@ pub(crate) fn flash_dq_kernel<F: Float>(
     for t in 0..num_tiles {
         let kv0 = t * block_k;
         stage_rows::<F, f32>(
-            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, head_dim, block_q,
         );
         stage_rows::<F, f32>(
-            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, head_dim, block_q,
         );
         sync_cube();
         for c in 0..block_k {
@@ -177,10 +177,10 @@ pub(crate) fn flash_dkdv_kernel<F: Float>(
     }
     while q0 < seq_q {
         stage_rows::<F, f32>(
-            q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, block_kv,
+            q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, head_dim, block_kv,
         );
         stage_rows::<F, f32>(
-            dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, block_kv,
+            dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, head_dim, block_kv,
         );
         sync_cube();
         for r in 0..block_q {

@@ -15,7 +15,7 @@ use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
 use super::tiles::{
-    block_product, stage_rows_unrolled, stage_values, sync_plane_data, ALIGN, FRAG,
+    block_product, stage_rows_unrolled, stage_values, sync_plane_data, ALIGN, FRAG, ROW_PAD,
 };
 
 /// Shared memory the dQ kernel declares, in bytes, for `planes` planes and key tiles of
@@ -27,8 +27,9 @@ pub(crate) fn dq_shared_bytes(
     elem_bytes: usize,
 ) -> usize {
     let (rows, tile) = (planes * FRAG, kv_frags * FRAG);
-    let halves = 2 * rows * head_dim + 2 * tile * head_dim + rows * tile;
-    let floats = 2 * rows * tile + rows * head_dim + 2 * rows;
+    let (hp, tp) = (head_dim + ROW_PAD, tile + ROW_PAD);
+    let halves = 2 * rows * hp + 2 * tile * hp + rows * tp;
+    let floats = 2 * rows * tp + rows * hp + 2 * rows;
     halves * elem_bytes + floats * 4 + 10 * ALIGN
 }
 
@@ -41,8 +42,9 @@ pub(crate) fn dkdv_shared_bytes(
     elem_bytes: usize,
 ) -> usize {
     let (rows, tile) = (planes * FRAG, q_frags * FRAG);
-    let halves = 2 * rows * head_dim + 2 * tile * head_dim + 2 * rows * tile;
-    let floats = 2 * rows * tile + 2 * rows * head_dim + 2 * tile;
+    let (hp, tp) = (head_dim + ROW_PAD, tile + ROW_PAD);
+    let halves = 2 * rows * hp + 2 * tile * hp + 2 * rows * tp;
+    let floats = 2 * rows * tp + 2 * rows * hp + 2 * tile;
     halves * elem_bytes + floats * 4 + 12 * ALIGN
 }
 
@@ -80,6 +82,9 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let threads = planes * plane_dim;
     let block_q = planes * FRAG;
     let block_kv = stream_frags * FRAG;
+    // Row strides of the shared-memory blocks, padded (see ROW_PAD).
+    let hp = comptime!(head_dim + ROW_PAD);
+    let kvp = comptime!(block_kv + ROW_PAD);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let bh = CUBE_POS_Y as usize;
@@ -87,30 +92,30 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let q0 = CUBE_POS_X as usize * block_q;
     let q_base = bh * seq_q * head_dim;
     let kv_base = bh * seq_k * head_dim;
-    let own = plane * FRAG * head_dim;
-    let blk = plane * FRAG * block_kv;
+    let own = plane * FRAG * hp;
+    let blk = plane * FRAG * kvp;
 
-    let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
-    let mut do_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
-    let mut k_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
-    let mut v_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
-    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_kv, ALIGN);
-    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_kv, ALIGN);
-    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_kv, ALIGN);
-    let mut dq_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
+    let mut q_s = SharedMemory::<F>::new_aligned(block_q * hp, ALIGN);
+    let mut do_s = SharedMemory::<F>::new_aligned(block_q * hp, ALIGN);
+    let mut k_s = SharedMemory::<F>::new_aligned(block_kv * hp, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(block_kv * hp, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * kvp, ALIGN);
+    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * kvp, ALIGN);
+    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * kvp, ALIGN);
+    let mut dq_s = SharedMemory::<f32>::new_aligned(planes * FRAG * hp, ALIGN);
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
 
     stage_rows_unrolled::<F, F>(
-        q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+        q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, hp, threads,
     );
     stage_rows_unrolled::<F, F>(
-        dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+        dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, hp, threads,
     );
     stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
     stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, block_q, threads);
     let mut e = lane;
-    while e < FRAG * head_dim {
+    while e < FRAG * hp {
         dq_s[own + e] = 0.0f32;
         e += plane_dim;
     }
@@ -128,10 +133,10 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     for t in 0..num_tiles {
         let kv0 = t * block_kv;
         stage_rows_unrolled::<F, F>(
-            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, hp, threads,
         );
         stage_rows_unrolled::<F, F>(
-            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, hp, threads,
         );
         sync_cube();
         // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows and this key tile, 16 keys at a time.
@@ -140,16 +145,16 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
             block_product::<F>(
                 &q_s,
                 own,
-                head_dim,
+                hp,
                 FRAG,
                 &k_s,
-                n * FRAG * head_dim,
-                head_dim,
+                n * FRAG * hp,
+                hp,
                 FRAG,
                 true,
                 &mut s_s,
                 blk + n * FRAG,
-                block_kv,
+                kvp,
                 head_dim / FRAG,
                 false,
                 plane_dim,
@@ -158,16 +163,16 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
             block_product::<F>(
                 &do_s,
                 own,
-                head_dim,
+                hp,
                 FRAG,
                 &v_s,
-                n * FRAG * head_dim,
-                head_dim,
+                n * FRAG * hp,
+                hp,
                 FRAG,
                 true,
                 &mut dp_s,
                 blk + n * FRAG,
-                block_kv,
+                kvp,
                 head_dim / FRAG,
                 false,
                 plane_dim,
@@ -178,6 +183,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
         let mut e = lane;
         while e < FRAG * block_kv {
             let r = plane * FRAG + e / block_kv;
+            let at = blk + (e / block_kv) * kvp + e % block_kv;
             let mut ds = f32::new(0.0);
             if visible(
                 mask,
@@ -189,10 +195,10 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
                 causal,
                 has_mask,
             ) {
-                let p = (s_s[blk + e] * scale - lse_s[r]).exp();
-                ds = p * (dp_s[blk + e] - delta_s[r]);
+                let p = (s_s[at] * scale - lse_s[r]).exp();
+                ds = p * (dp_s[at] - delta_s[r]);
             }
-            ds_s[blk + e] = F::cast_from(ds);
+            ds_s[at] = F::cast_from(ds);
             e += plane_dim;
         }
         sync_plane_data(warp_sync);
@@ -203,16 +209,16 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
             block_product::<F>(
                 &ds_s,
                 blk,
-                block_kv,
+                kvp,
                 FRAG,
                 &k_s,
                 f * FRAG,
-                head_dim,
-                FRAG * head_dim,
+                hp,
+                FRAG * hp,
                 false,
                 &mut dq_s,
                 own + f * FRAG,
-                head_dim,
+                hp,
                 stream_frags,
                 true,
                 plane_dim,
@@ -227,7 +233,8 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     while e < FRAG * head_dim {
         let row = q0 + plane * FRAG + e / head_dim;
         if row < seq_q {
-            dq[q_base + row * head_dim + e % head_dim] = F::cast_from(dq_s[own + e] * scale);
+            dq[q_base + row * head_dim + e % head_dim] =
+                F::cast_from(dq_s[own + (e / head_dim) * hp + e % head_dim] * scale);
         }
         e += plane_dim;
     }
@@ -267,6 +274,9 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let threads = planes * plane_dim;
     let block_k = planes * FRAG;
     let block_q = stream_frags * FRAG;
+    // Row strides of the shared-memory blocks, padded (see ROW_PAD).
+    let hp = comptime!(head_dim + ROW_PAD);
+    let qp = comptime!(block_q + ROW_PAD);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let bh = CUBE_POS_Y as usize;
@@ -274,30 +284,30 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let k0 = CUBE_POS_X as usize * block_k;
     let q_base = bh * seq_q * head_dim;
     let kv_base = bh * seq_k * head_dim;
-    let own = plane * FRAG * head_dim;
-    let blk = plane * FRAG * block_q;
+    let own = plane * FRAG * hp;
+    let blk = plane * FRAG * qp;
 
-    let mut k_s = SharedMemory::<F>::new_aligned(block_k * head_dim, ALIGN);
-    let mut v_s = SharedMemory::<F>::new_aligned(block_k * head_dim, ALIGN);
-    let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
-    let mut do_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
-    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_q, ALIGN);
-    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_q, ALIGN);
-    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_q, ALIGN);
-    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_q, ALIGN);
-    let mut dk_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
-    let mut dv_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
+    let mut k_s = SharedMemory::<F>::new_aligned(block_k * hp, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(block_k * hp, ALIGN);
+    let mut q_s = SharedMemory::<F>::new_aligned(block_q * hp, ALIGN);
+    let mut do_s = SharedMemory::<F>::new_aligned(block_q * hp, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * qp, ALIGN);
+    let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * qp, ALIGN);
+    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * qp, ALIGN);
+    let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * qp, ALIGN);
+    let mut dk_s = SharedMemory::<f32>::new_aligned(planes * FRAG * hp, ALIGN);
+    let mut dv_s = SharedMemory::<f32>::new_aligned(planes * FRAG * hp, ALIGN);
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
 
     stage_rows_unrolled::<F, F>(
-        k, &mut k_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
+        k, &mut k_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, hp, threads,
     );
     stage_rows_unrolled::<F, F>(
-        v, &mut v_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, threads,
+        v, &mut v_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, hp, threads,
     );
     let mut e = lane;
-    while e < FRAG * head_dim {
+    while e < FRAG * hp {
         dk_s[own + e] = 0.0f32;
         dv_s[own + e] = 0.0f32;
         e += plane_dim;
@@ -316,10 +326,10 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         // The previous tile's last reads of q_s / do_s / lse_s / delta_s are behind the
         // barrier that ends it (or, for the first tile, nothing has read them yet).
         stage_rows_unrolled::<F, F>(
-            q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+            q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, hp, threads,
         );
         stage_rows_unrolled::<F, F>(
-            dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+            dout, &mut do_s, 0usize, q_base, q0, seq_q, block_q, head_dim, hp, threads,
         );
         stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
         stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, block_q, threads);
@@ -331,16 +341,16 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             block_product::<F>(
                 &k_s,
                 own,
-                head_dim,
+                hp,
                 FRAG,
                 &q_s,
-                n * FRAG * head_dim,
-                head_dim,
+                n * FRAG * hp,
+                hp,
                 FRAG,
                 true,
                 &mut s_s,
                 blk + n * FRAG,
-                block_q,
+                qp,
                 head_dim / FRAG,
                 false,
                 plane_dim,
@@ -349,16 +359,16 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             block_product::<F>(
                 &v_s,
                 own,
-                head_dim,
+                hp,
                 FRAG,
                 &do_s,
-                n * FRAG * head_dim,
-                head_dim,
+                n * FRAG * hp,
+                hp,
                 FRAG,
                 true,
                 &mut dp_s,
                 blk + n * FRAG,
-                block_q,
+                qp,
                 head_dim / FRAG,
                 false,
                 plane_dim,
@@ -370,14 +380,15 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         while e < FRAG * block_q {
             let i = e % block_q;
             let key = k0 + plane * FRAG + e / block_q;
+            let at = blk + (e / block_q) * qp + i;
             let mut p = f32::new(0.0);
             let mut ds = f32::new(0.0);
             if visible(mask, batch, q0 + i, key, seq_q, seq_k, causal, has_mask) {
-                p = (s_s[blk + e] * scale - lse_s[i]).exp();
-                ds = p * (dp_s[blk + e] - delta_s[i]);
+                p = (s_s[at] * scale - lse_s[i]).exp();
+                ds = p * (dp_s[at] - delta_s[i]);
             }
-            p_s[blk + e] = F::cast_from(p);
-            ds_s[blk + e] = F::cast_from(ds);
+            p_s[at] = F::cast_from(p);
+            ds_s[at] = F::cast_from(ds);
             e += plane_dim;
         }
         sync_plane_data(warp_sync);
@@ -388,16 +399,16 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             block_product::<F>(
                 &p_s,
                 blk,
-                block_q,
+                qp,
                 FRAG,
                 &do_s,
                 f * FRAG,
-                head_dim,
-                FRAG * head_dim,
+                hp,
+                FRAG * hp,
                 false,
                 &mut dv_s,
                 own + f * FRAG,
-                head_dim,
+                hp,
                 stream_frags,
                 true,
                 plane_dim,
@@ -406,16 +417,16 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             block_product::<F>(
                 &ds_s,
                 blk,
-                block_q,
+                qp,
                 FRAG,
                 &q_s,
                 f * FRAG,
-                head_dim,
-                FRAG * head_dim,
+                hp,
+                FRAG * hp,
                 false,
                 &mut dk_s,
                 own + f * FRAG,
-                head_dim,
+                hp,
                 stream_frags,
                 true,
                 plane_dim,
@@ -430,8 +441,8 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         let key = k0 + plane * FRAG + e / head_dim;
         if key < seq_k {
             let at = kv_base + key * head_dim + e % head_dim;
-            dk[at] = F::cast_from(dk_s[own + e] * scale);
-            dv[at] = F::cast_from(dv_s[own + e]);
+            dk[at] = F::cast_from(dk_s[own + (e / head_dim) * hp + e % head_dim] * scale);
+            dv[at] = F::cast_from(dv_s[own + (e / head_dim) * hp + e % head_dim]);
         }
         e += plane_dim;
     }

@@ -112,10 +112,10 @@ pub(crate) fn flash_fwd_kernel<F: Float>(
     for t in 0..num_tiles {
         let kv0 = t * block_k;
         stage_rows::<F, f32>(
-            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, head_dim, block_q,
         );
         stage_rows::<F, f32>(
-            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, block_q,
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_k, head_dim, head_dim, block_q,
         );
         sync_cube();
 

@@ -20,7 +20,7 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
-use super::tiles::{block_product, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG};
+use super::tiles::{block_product, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG, ROW_PAD};
 
 /// How far (in units of the scaled scores) a row's scores may rise above the max its
 /// probabilities are taken against before that reference moves and the output block is
@@ -50,10 +50,10 @@ pub(crate) fn shared_bytes(
     elem_bytes: usize,
 ) -> usize {
     let block_kv = kv_frags * FRAG;
-    let halves = planes * FRAG * head_dim + 2 * block_kv * head_dim + planes * FRAG * block_kv;
-    let floats = planes * FRAG * block_kv
-        + planes * FRAG * head_dim
-        + planes * FRAG * (1 + 2 * MAX_LANES_PER_ROW);
+    let (hp, kvp) = (head_dim + ROW_PAD, block_kv + ROW_PAD);
+    let halves = planes * FRAG * hp + 2 * block_kv * hp + planes * FRAG * kvp;
+    let floats =
+        planes * FRAG * kvp + planes * FRAG * hp + planes * FRAG * (1 + 2 * MAX_LANES_PER_ROW);
     halves * elem_bytes + floats * 4 + 8 * ALIGN
 }
 
@@ -90,6 +90,9 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let threads = planes * plane_dim;
     let block_q = planes * FRAG;
     let block_kv = kv_frags * FRAG;
+    // Row strides of the shared-memory blocks, padded (see ROW_PAD).
+    let hp = comptime!(head_dim + ROW_PAD);
+    let kvp = comptime!(block_kv + ROW_PAD);
     // The softmax's split of the plane's 16 rows over its lanes: several lanes per row on
     // planes wider than 16 lanes (CUDA's 32), each taking every `lanes_per_row`-th column,
     // so that no lane idles; several rows per lane on narrower planes.
@@ -112,12 +115,12 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
 
     // Fragment loads and stores need 32-byte aligned addresses (CUDA's wmma); every
     // fragment offset below is a multiple of 16 elements, so aligned bases suffice.
-    let mut q_s = SharedMemory::<F>::new_aligned(block_q * head_dim, ALIGN);
-    let mut k_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
-    let mut v_s = SharedMemory::<F>::new_aligned(block_kv * head_dim, ALIGN);
-    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * block_kv, ALIGN);
-    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * block_kv, ALIGN);
-    let mut o_s = SharedMemory::<f32>::new_aligned(planes * FRAG * head_dim, ALIGN);
+    let mut q_s = SharedMemory::<F>::new_aligned(block_q * hp, ALIGN);
+    let mut k_s = SharedMemory::<F>::new_aligned(block_kv * hp, ALIGN);
+    let mut v_s = SharedMemory::<F>::new_aligned(block_kv * hp, ALIGN);
+    let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * kvp, ALIGN);
+    let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * kvp, ALIGN);
+    let mut o_s = SharedMemory::<f32>::new_aligned(planes * FRAG * hp, ALIGN);
     let mut row_s = SharedMemory::<f32>::new(planes * FRAG);
     // Each row's partial maxima and sums, one per lane of the row.
     let mut max_s = SharedMemory::<f32>::new(planes * FRAG * lanes_per_row);
@@ -125,11 +128,11 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let red = plane * FRAG * lanes_per_row;
 
     stage_rows_unrolled::<F, F>(
-        q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, threads,
+        q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, hp, threads,
     );
-    let o_off = plane * FRAG * head_dim;
+    let o_off = plane * FRAG * hp;
     let mut e = lane;
-    while e < FRAG * head_dim {
+    while e < FRAG * hp {
         o_s[o_off + e] = 0.0f32;
         e += plane_dim;
     }
@@ -155,15 +158,15 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     }
     #[allow(clippy::manual_div_ceil)]
     let num_tiles = (kv_end + block_kv - 1) / block_kv;
-    let s_off = plane * FRAG * block_kv;
+    let s_off = plane * FRAG * kvp;
 
     for t in 0..num_tiles {
         let kv0 = t * block_kv;
         stage_rows_unrolled::<F, F>(
-            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
+            k, &mut k_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, hp, threads,
         );
         stage_rows_unrolled::<F, F>(
-            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, threads,
+            v, &mut v_s, 0usize, kv_base, kv0, seq_k, block_kv, head_dim, hp, threads,
         );
         sync_cube();
 
@@ -173,17 +176,17 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         for n in 0..kv_frags {
             block_product::<F>(
                 &q_s,
-                plane * FRAG * head_dim,
-                head_dim,
+                plane * FRAG * hp,
+                hp,
                 FRAG,
                 &k_s,
-                n * FRAG * head_dim,
-                head_dim,
+                n * FRAG * hp,
+                hp,
                 FRAG,
                 true,
                 &mut s_s,
                 s_off + n * FRAG,
-                block_kv,
+                kvp,
                 head_dim / FRAG,
                 false,
                 plane_dim,
@@ -204,12 +207,12 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
                     let c = part + j * lanes_per_row;
                     let mut s = f32::new(HIDDEN);
                     if visible(mask, batch, row, kv0 + c, seq_q, seq_k, causal, has_mask) {
-                        s = s_s[s_off + r * block_kv + c] * scale;
+                        s = s_s[s_off + r * kvp + c] * scale;
                         if s > part_max {
                             part_max = s;
                         }
                     }
-                    s_s[s_off + r * block_kv + c] = s;
+                    s_s[s_off + r * kvp + c] = s;
                 }
                 max_s[red + r * lanes_per_row + part] = part_max;
             }
@@ -238,13 +241,13 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
                 let mut part_sum = f32::new(0.0);
                 for j in 0..cols_per_lane {
                     let c = part + j * lanes_per_row;
-                    let s = s_s[s_off + r * block_kv + c];
+                    let s = s_s[s_off + r * kvp + c];
                     let mut p = f32::new(0.0);
                     if s > HIDDEN_THRESHOLD {
                         p = (s - m_new).exp();
                     }
                     part_sum += p;
-                    p_s[s_off + r * block_kv + c] = F::cast_from(p);
+                    p_s[s_off + r * kvp + c] = F::cast_from(p);
                 }
                 sum_s[red + r * lanes_per_row + part] = part_sum;
             }
@@ -278,7 +281,8 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         if moved {
             let mut e = lane;
             while e < FRAG * head_dim {
-                o_s[o_off + e] *= row_s[plane * FRAG + e / head_dim];
+                o_s[o_off + (e / head_dim) * hp + e % head_dim] *=
+                    row_s[plane * FRAG + e / head_dim];
                 e += plane_dim;
             }
         }
@@ -288,16 +292,16 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
             block_product::<F>(
                 &p_s,
                 s_off,
-                block_kv,
+                kvp,
                 FRAG,
                 &v_s,
                 f * FRAG,
-                head_dim,
-                FRAG * head_dim,
+                hp,
+                FRAG * hp,
                 false,
                 &mut o_s,
                 o_off + f * FRAG,
-                head_dim,
+                hp,
                 kv_frags,
                 true,
                 plane_dim,
@@ -333,7 +337,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         let row = plane_row0 + r;
         if row < seq_q {
             out[q_base + row * head_dim + e % head_dim] =
-                F::cast_from(o_s[o_off + e] * row_s[plane * FRAG + r]);
+                F::cast_from(o_s[o_off + r * hp + e % head_dim] * row_s[plane * FRAG + r]);
         }
         e += plane_dim;
     }

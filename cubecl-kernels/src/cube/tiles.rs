@@ -18,8 +18,16 @@ pub(crate) const ALIGN: usize = 32;
 /// dimension 128 over 128 threads).
 const MAX_UNROLLED_STAGING: usize = 64;
 
+/// Elements added to every row of the tile kernels' shared-memory blocks. Unpadded, a row of
+/// 64 or 128 half-precision values (128 or 256 bytes) starts on the same bank as the next, so
+/// the eight rows a tensor-core fragment load reads at once all hit one bank group (an 8-way
+/// conflict); 8 more elements shift each row by 16 bytes (32 for f32) and spread them. A
+/// multiple of 8 keeps every fragment's address 32-byte aligned and its leading dimension a
+/// multiple of 16 bytes, as wmma requires.
+pub(crate) const ROW_PAD: usize = 8;
+
 /// Copies rows `[row0, row0 + rows)` of a `[.., seq, head_dim]` slab starting at `base` into
-/// `dst` from element `dst_off`, converted to the shared memory's type `S` (the input type for
+/// `dst` from element `dst_off` with row stride `dst_stride`, converted to the shared memory's type `S` (the input type for
 /// fragment operands, f32 for the portable kernels), zeros past `seq` (padded rows stay finite
 /// and fragment loads never read out of bounds), all threads of the cube cooperating.
 #[cube]
@@ -33,11 +41,14 @@ pub(crate) fn stage_rows<F: Float, S: Float>(
     seq: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
+    #[comptime] dst_stride: usize,
     #[comptime] threads: usize,
 ) {
     let mut idx = UNIT_POS as usize;
     while idx < rows * head_dim {
-        stage_element::<F, S>(src, dst, dst_off, base, row0, seq, idx, head_dim);
+        stage_element::<F, S>(
+            src, dst, dst_off, base, row0, seq, idx, head_dim, dst_stride,
+        );
         idx += threads;
     }
 }
@@ -58,6 +69,7 @@ pub(crate) fn stage_rows_unrolled<F: Float, S: Float>(
     seq: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
+    #[comptime] dst_stride: usize,
     #[comptime] threads: usize,
 ) {
     let total = comptime!(rows * head_dim);
@@ -65,10 +77,14 @@ pub(crate) fn stage_rows_unrolled<F: Float, S: Float>(
         #[unroll]
         for j in 0..total / threads {
             let idx = UNIT_POS as usize + j * threads;
-            stage_element::<F, S>(src, dst, dst_off, base, row0, seq, idx, head_dim);
+            stage_element::<F, S>(
+                src, dst, dst_off, base, row0, seq, idx, head_dim, dst_stride,
+            );
         }
     } else {
-        stage_rows::<F, S>(src, dst, dst_off, base, row0, seq, rows, head_dim, threads);
+        stage_rows::<F, S>(
+            src, dst, dst_off, base, row0, seq, rows, head_dim, dst_stride, threads,
+        );
     }
 }
 
@@ -84,13 +100,15 @@ fn stage_element<F: Float, S: Float>(
     seq: usize,
     idx: usize,
     #[comptime] head_dim: usize,
+    #[comptime] dst_stride: usize,
 ) {
-    let r = row0 + idx / head_dim;
+    let r = idx / head_dim;
+    let c = idx % head_dim;
     let mut x = S::new(0.0);
-    if r < seq {
-        x = S::cast_from(src[base + r * head_dim + idx % head_dim]);
+    if row0 + r < seq {
+        x = S::cast_from(src[base + (row0 + r) * head_dim + c]);
     }
-    dst[dst_off + idx] = x;
+    dst[dst_off + r * dst_stride + c] = x;
 }
 
 /// Copies `rows` f32 values per row starting at `row0` of a `[.., seq]` vector into `dst`
