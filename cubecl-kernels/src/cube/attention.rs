@@ -120,7 +120,7 @@ pub(crate) fn tile_shared_bytes(
     bytes(planes, stream_frags, head_dim, elem_bytes)
 }
 
-/// The tile kernels, for choosing how many planes fit in shared memory.
+/// The tile kernels, for choosing the cube shape each fits in shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum TileKernel {
     Forward,
@@ -182,7 +182,8 @@ pub(crate) fn has_tile_fragments<'a>(
 /// of 16, no cube shape fits in shared memory (or the `forced` one does not), or, under
 /// [`AttentionKernel::Auto`], the device has no tensor-core fragment of the input type).
 /// Fragments are plane-wide, so the cube's x dimension is the hardware plane width
-/// `plane_dim` (or [`EMULATED_PLANE`] without tensor cores). `cuda` says whether the runtime is CUDA's (warp barriers order shared memory).
+/// `plane_dim` (or [`EMULATED_PLANE`] without tensor cores). `cuda` says whether the runtime
+/// is CUDA's, whose warp barriers order shared memory.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_tiles(
     choice: AttentionKernel,

@@ -15,7 +15,8 @@ use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
 use super::tiles::{
-    block_product, stage_rows_unrolled, stage_values, sync_plane_data, ALIGN, FRAG, ROW_PAD,
+    accumulate_block_times_rows, rows_dot_rows, stage_rows_unrolled, stage_values, sync_plane_data,
+    ALIGN, FRAG, ROW_PAD,
 };
 
 /// Shared memory the dQ kernel declares, in bytes, for `planes` planes and key tiles of
@@ -140,45 +141,32 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
         );
         sync_cube();
         // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows and this key tile, 16 keys at a time.
-        #[unroll]
-        for n in 0..stream_frags {
-            block_product::<F>(
-                &q_s,
-                own,
-                hp,
-                FRAG,
-                &k_s,
-                n * FRAG * hp,
-                hp,
-                FRAG,
-                true,
-                &mut s_s,
-                blk + n * FRAG,
-                kvp,
-                head_dim / FRAG,
-                false,
-                plane_dim,
-                use_cmma,
-            );
-            block_product::<F>(
-                &do_s,
-                own,
-                hp,
-                FRAG,
-                &v_s,
-                n * FRAG * hp,
-                hp,
-                FRAG,
-                true,
-                &mut dp_s,
-                blk + n * FRAG,
-                kvp,
-                head_dim / FRAG,
-                false,
-                plane_dim,
-                use_cmma,
-            );
-        }
+        rows_dot_rows::<F>(
+            &q_s,
+            own,
+            &k_s,
+            &mut s_s,
+            blk,
+            stream_frags,
+            head_dim,
+            hp,
+            kvp,
+            plane_dim,
+            use_cmma,
+        );
+        rows_dot_rows::<F>(
+            &do_s,
+            own,
+            &v_s,
+            &mut dp_s,
+            blk,
+            stream_frags,
+            head_dim,
+            hp,
+            kvp,
+            plane_dim,
+            use_cmma,
+        );
         sync_plane_data(warp_sync);
         let mut e = lane;
         while e < FRAG * block_kv {
@@ -204,27 +192,19 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
         sync_plane_data(warp_sync);
         // dQ += dS·K, one 16-column block of the head dimension at a time, the tile's keys
         // as the inner dimension.
-        #[unroll]
-        for f in 0..head_dim / FRAG {
-            block_product::<F>(
-                &ds_s,
-                blk,
-                kvp,
-                FRAG,
-                &k_s,
-                f * FRAG,
-                hp,
-                FRAG * hp,
-                false,
-                &mut dq_s,
-                own + f * FRAG,
-                hp,
-                stream_frags,
-                true,
-                plane_dim,
-                use_cmma,
-            );
-        }
+        accumulate_block_times_rows::<F>(
+            &ds_s,
+            blk,
+            kvp,
+            &k_s,
+            &mut dq_s,
+            own,
+            stream_frags,
+            head_dim,
+            hp,
+            plane_dim,
+            use_cmma,
+        );
         // The next tile overwrites k_s / v_s / s_s / dp_s / ds_s.
         sync_cube();
     }
@@ -336,45 +316,32 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         sync_cube();
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's keys and this query tile, 16 queries at a
         // time.
-        #[unroll]
-        for n in 0..stream_frags {
-            block_product::<F>(
-                &k_s,
-                own,
-                hp,
-                FRAG,
-                &q_s,
-                n * FRAG * hp,
-                hp,
-                FRAG,
-                true,
-                &mut s_s,
-                blk + n * FRAG,
-                qp,
-                head_dim / FRAG,
-                false,
-                plane_dim,
-                use_cmma,
-            );
-            block_product::<F>(
-                &v_s,
-                own,
-                hp,
-                FRAG,
-                &do_s,
-                n * FRAG * hp,
-                hp,
-                FRAG,
-                true,
-                &mut dp_s,
-                blk + n * FRAG,
-                qp,
-                head_dim / FRAG,
-                false,
-                plane_dim,
-                use_cmma,
-            );
-        }
+        rows_dot_rows::<F>(
+            &k_s,
+            own,
+            &q_s,
+            &mut s_s,
+            blk,
+            stream_frags,
+            head_dim,
+            hp,
+            qp,
+            plane_dim,
+            use_cmma,
+        );
+        rows_dot_rows::<F>(
+            &v_s,
+            own,
+            &do_s,
+            &mut dp_s,
+            blk,
+            stream_frags,
+            head_dim,
+            hp,
+            qp,
+            plane_dim,
+            use_cmma,
+        );
         sync_plane_data(warp_sync);
         let mut e = lane;
         while e < FRAG * block_q {
@@ -394,45 +361,32 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         sync_plane_data(warp_sync);
         // dV += Pᵀ·dO and dK += dSᵀ·Q, one 16-column block of the head dimension at a time,
         // the tile's queries as the inner dimension.
-        #[unroll]
-        for f in 0..head_dim / FRAG {
-            block_product::<F>(
-                &p_s,
-                blk,
-                qp,
-                FRAG,
-                &do_s,
-                f * FRAG,
-                hp,
-                FRAG * hp,
-                false,
-                &mut dv_s,
-                own + f * FRAG,
-                hp,
-                stream_frags,
-                true,
-                plane_dim,
-                use_cmma,
-            );
-            block_product::<F>(
-                &ds_s,
-                blk,
-                qp,
-                FRAG,
-                &q_s,
-                f * FRAG,
-                hp,
-                FRAG * hp,
-                false,
-                &mut dk_s,
-                own + f * FRAG,
-                hp,
-                stream_frags,
-                true,
-                plane_dim,
-                use_cmma,
-            );
-        }
+        accumulate_block_times_rows::<F>(
+            &p_s,
+            blk,
+            qp,
+            &do_s,
+            &mut dv_s,
+            own,
+            stream_frags,
+            head_dim,
+            hp,
+            plane_dim,
+            use_cmma,
+        );
+        accumulate_block_times_rows::<F>(
+            &ds_s,
+            blk,
+            qp,
+            &q_s,
+            &mut dk_s,
+            own,
+            stream_frags,
+            head_dim,
+            hp,
+            plane_dim,
+            use_cmma,
+        );
         sync_cube();
     }
 

@@ -20,7 +20,10 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
-use super::tiles::{block_product, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG, ROW_PAD};
+use super::tiles::{
+    accumulate_block_times_rows, rows_dot_rows, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG,
+    ROW_PAD,
+};
 
 /// How far (in units of the scaled scores) a row's scores may rise above the max its
 /// probabilities are taken against before that reference moves and the output block is
@@ -172,27 +175,19 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
 
         // S = Q·Kᵀ for the plane's 16 rows, 16 keys at a time (Kᵀ: the staged key rows read
         // column-major).
-        #[unroll]
-        for n in 0..kv_frags {
-            block_product::<F>(
-                &q_s,
-                plane * FRAG * hp,
-                hp,
-                FRAG,
-                &k_s,
-                n * FRAG * hp,
-                hp,
-                FRAG,
-                true,
-                &mut s_s,
-                s_off + n * FRAG,
-                kvp,
-                head_dim / FRAG,
-                false,
-                plane_dim,
-                use_cmma,
-            );
-        }
+        rows_dot_rows::<F>(
+            &q_s,
+            plane * FRAG * hp,
+            &k_s,
+            &mut s_s,
+            s_off,
+            kv_frags,
+            head_dim,
+            hp,
+            kvp,
+            plane_dim,
+            use_cmma,
+        );
         sync_plane_data(warp_sync);
 
         // Online softmax in three steps, each lane over its columns of its rows: scaled
@@ -287,27 +282,9 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
             }
         }
         sync_plane_data(warp_sync);
-        #[unroll]
-        for f in 0..head_dim / FRAG {
-            block_product::<F>(
-                &p_s,
-                s_off,
-                kvp,
-                FRAG,
-                &v_s,
-                f * FRAG,
-                hp,
-                FRAG * hp,
-                false,
-                &mut o_s,
-                o_off + f * FRAG,
-                hp,
-                kv_frags,
-                true,
-                plane_dim,
-                use_cmma,
-            );
-        }
+        accumulate_block_times_rows::<F>(
+            &p_s, s_off, kvp, &v_s, &mut o_s, o_off, kv_frags, head_dim, hp, plane_dim, use_cmma,
+        );
         // The next tile overwrites k_s / v_s / s_s / p_s: every plane must be done with them.
         sync_cube();
     }

@@ -254,3 +254,88 @@ pub(crate) fn sync_plane_data(#[comptime] warp_sync: bool) {
         sync_cube();
     }
 }
+
+/// One plane's `16 × (frags·16)` f32 block `C = A·Bᵀ` of row dot products: A's 16 rows start
+/// at `a_off`, B's `frags·16` rows at element 0, all `head_dim` long with row stride
+/// `stride`; C is at `c_off` with row stride `c_stride`. The tile kernels' scores (`Q·Kᵀ`,
+/// `dO·Vᵀ`, and in dK/dV their transposes), 16 of B's rows at a time.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rows_dot_rows<F: Float>(
+    a: &SharedMemory<F>,
+    a_off: usize,
+    b: &SharedMemory<F>,
+    c: &mut SharedMemory<f32>,
+    c_off: usize,
+    #[comptime] frags: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+    #[comptime] c_stride: usize,
+    #[comptime] plane_dim: usize,
+    #[comptime] use_cmma: bool,
+) {
+    #[unroll]
+    for n in 0..frags {
+        block_product::<F>(
+            a,
+            a_off,
+            stride,
+            FRAG,
+            b,
+            n * FRAG * stride,
+            stride,
+            FRAG,
+            true,
+            c,
+            c_off + n * FRAG,
+            c_stride,
+            head_dim / FRAG,
+            false,
+            plane_dim,
+            use_cmma,
+        );
+    }
+}
+
+/// One plane's `16 × head_dim` f32 block `C += A·B`: A is `16 × (frags·16)` at `a_off` with
+/// row stride `a_stride`, B is `frags·16` rows of `head_dim` from element 0 and C is at
+/// `c_off`, both with row stride `stride`. The tile kernels' accumulations (`P·V`, `dS·K`,
+/// `Pᵀ·dO`, `dSᵀ·Q`), one 16-column block of C at a time with the whole streamed tile as the
+/// inner dimension.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn accumulate_block_times_rows<F: Float>(
+    a: &SharedMemory<F>,
+    a_off: usize,
+    #[comptime] a_stride: usize,
+    b: &SharedMemory<F>,
+    c: &mut SharedMemory<f32>,
+    c_off: usize,
+    #[comptime] frags: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+    #[comptime] plane_dim: usize,
+    #[comptime] use_cmma: bool,
+) {
+    #[unroll]
+    for f in 0..head_dim / FRAG {
+        block_product::<F>(
+            a,
+            a_off,
+            a_stride,
+            FRAG,
+            b,
+            f * FRAG,
+            stride,
+            FRAG * stride,
+            false,
+            c,
+            c_off + f * FRAG,
+            stride,
+            frags,
+            true,
+            plane_dim,
+            use_cmma,
+        );
+    }
+}
