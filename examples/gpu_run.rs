@@ -432,8 +432,19 @@ where
     };
 
     println!(
-        "gpu-run: {:?} backend; GPT {} blocks, hidden {}, {} heads, seq {}, vocab {}",
-        args.backend, args.layers, args.hidden, args.heads, args.seq_len, args.vocab
+        "gpu-run: {:?} backend ({} matmul); GPT {} blocks, hidden {}, {} heads, seq {}, vocab {}",
+        args.backend,
+        // Burn 0.21 without `autotune` runs one fixed matmul routine for every shape.
+        if cfg!(feature = "autotune") {
+            "autotuned"
+        } else {
+            "fixed"
+        },
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.seq_len,
+        args.vocab
     );
     println!(
         "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}, {}; {ranks} on {} \

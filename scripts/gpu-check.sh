@@ -134,7 +134,7 @@ bias = torch.randn(dout, device=dev, dtype=dt)
 mlp = lambda: F.gelu(x @ w + bias)
 torch_attn, torch_attn_fwd, torch_mlp = ms(attn), ms(attn_fwd), ms(mlp)
 print(f"\nshapes: attention {ours['attn_shape']} causal, MLP {ours['mlp_shape']}, {ours['dtype']}; "
-      f"head cross-entropy {ours['ce_shape']} f32")
+      f"head cross-entropy {ours['ce_shape']} f32; Burn's matmul {ours.get('burn_matmul', 'not recorded')}")
 print()
 print("| op | PyTorch ms | Burn CUDA ms | cubecl-kernels ms | speed vs PyTorch | speed vs Burn | goal |")
 print("|---|---|---|---|---|---|---|")

@@ -52,6 +52,15 @@ mod bench {
     };
     use cubecl_kernels::{memory, reference};
 
+    /// Which matmul Burn's side (and the fused ops' f16/bf16 products) ran, recorded in the
+    /// JSON because it changes the figures: Burn 0.21 without its `autotune` feature runs one
+    /// fixed tensor-core routine for every shape.
+    const BURN_MATMUL: &str = if cfg!(feature = "autotune") {
+        "autotuned"
+    } else {
+        "fixed (cubek SimpleCyclicCmma; build with --features autotune)"
+    };
+
     #[cfg(feature = "cuda")]
     mod dev {
         pub type B = burn::backend::cuda::Cuda;
@@ -550,6 +559,7 @@ mod bench {
         if attn_only {
             let json = serde_json::json!({
                 "backend": dev::NAME,
+                "burn_matmul": BURN_MATMUL,
                 "dtype": format!("{half:?}"),
                 "attn_shape": shapes.attn,
                 "attn_fwd_bwd_ms": attn,
@@ -591,6 +601,7 @@ mod bench {
             .collect();
         let json = serde_json::json!({
             "backend": dev::NAME,
+            "burn_matmul": BURN_MATMUL,
             "dtype": format!("{half:?}"),
             "attn_shape": shapes.attn,
             "mlp_shape": shapes.mlp,

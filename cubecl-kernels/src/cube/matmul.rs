@@ -5,10 +5,10 @@
 //! an f32 model trained with the fused ops would silently lose the precision its user chose,
 //! and the ops would miss the 1e-4 agreement with a float64 reference that they keep on every
 //! other backend. cubek's unit routine multiplies with ordinary f32 fused multiply-adds on any
-//! device. Where the device has no TF32 (Vulkan, Metal), Burn's autotuned matmul is already
-//! exact f32 and faster, so it stays ([`F32Matmul::Auto`]). f16 and bf16 always keep Burn's
-//! matmul and its tensor cores: their inputs have no bits for TF32 to drop, and they are the
-//! fast path.
+//! device. Where the device has no TF32 (Vulkan, Metal), Burn's matmul (autotuned with the
+//! `autotune` feature) is already exact f32 and faster, so it stays ([`F32Matmul::Auto`]).
+//! f16 and bf16 always keep Burn's matmul and its tensor cores: their inputs have no bits for
+//! TF32 to drop, and they are the fast path.
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
