@@ -7,8 +7,8 @@
 //! the head's 8192 tokens × hidden 1024 × vocabulary 50304, f32). Without it, on the wgpu
 //! CPU adapter, `--small` shrinks every shape so the whole program can be checked here.
 //!
-//! Peak memory is measured, not computed: each cross-entropy path runs in a child process of
-//! its own (this binary, `--ce-memory PATH`), and the figure is the growth of the CubeCL
+//! Peak memory is measured, not computed ([`bench::peak_memory`]): each op's two paths run in
+//! a child process each (this binary, `--mem-child OP PATH`), and the figure is the growth of the CubeCL
 //! memory pool's reserved bytes from just after the inputs exist to just after forward and
 //! backward. The pool keeps what it reserved for the whole step, so its reserve is a
 //! high-water mark. On wgpu the children use exclusive pages (one page per allocation,
@@ -36,9 +36,9 @@
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench {
+    pub(crate) mod peak_memory;
     pub(crate) mod tile_sweep;
 
-    use std::process::Command;
     use std::time::Instant;
 
     use burn::backend::Autodiff;
@@ -51,6 +51,7 @@ mod bench {
         AttentionKernel, F32Matmul, TiledLaunches,
     };
     use cubecl_kernels::{memory, reference};
+    use peak_memory::{measure_all, memory_child, mib};
 
     /// Which matmul Burn's side (and the fused ops' f16/bf16 products) ran, recorded in the
     /// JSON because it changes the figures: Burn 0.21 without its `autotune` feature runs one
@@ -353,73 +354,6 @@ mod bench {
         } else {
             DType::F32
         }
-    }
-
-    /// Child process: one op's pool growth over forward + backward, in bytes, on stdout.
-    fn memory_child(op: Op, fused: bool, s: &Shapes) {
-        let device = dev::memory_device();
-        let client = Tensor::<B, 1>::zeros([1], &device)
-            .into_primitive()
-            .tensor()
-            .client;
-        let reserved = || {
-            client
-                .memory_usage()
-                .map(|u| u.bytes_reserved)
-                .expect("the device's memory usage")
-        };
-        let inputs = op_inputs(op, &device, s, half_type(&device));
-        sync(&device);
-        let before = reserved();
-        fwd_bwd(&inputs, fused);
-        sync(&device);
-        println!("{}", reserved().saturating_sub(before));
-    }
-
-    /// One op's measured pool growth, from a child process given the same shape flags
-    /// (`shape_args`) as this one.
-    fn measure_memory(op: Op, fused: bool, shape_args: &[String]) -> u64 {
-        let exe = std::env::current_exe().expect("path of this binary");
-        let path = if fused { "fused" } else { "burn" };
-        let out = Command::new(exe)
-            .args(["--mem-child", op.name(), path])
-            .args(shape_args)
-            .output()
-            .expect("start the memory child process");
-        let text = String::from_utf8_lossy(&out.stdout);
-        match text.trim().lines().last().map(str::parse::<u64>) {
-            Some(Ok(bytes)) if out.status.success() => bytes,
-            _ => panic!(
-                "the {} memory child ({path}) failed ({}): {}{}",
-                op.name(),
-                out.status,
-                text,
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        }
-    }
-
-    /// `(fused, burn)` measured bytes of every op.
-    fn measure_all(shape_args: &[String]) -> Vec<(Op, u64, u64)> {
-        OPS.into_iter()
-            .map(|op| {
-                let (fused, burn) = (
-                    measure_memory(op, true, shape_args),
-                    measure_memory(op, false, shape_args),
-                );
-                eprintln!(
-                    "{} fwd+bwd peak pool growth: fused {:.1} MiB, Burn {:.1} MiB",
-                    op.name(),
-                    mib(fused),
-                    mib(burn)
-                );
-                (op, fused, burn)
-            })
-            .collect()
-    }
-
-    fn mib(bytes: u64) -> f64 {
-        bytes as f64 / 1048576.0
     }
 
     /// `--NAME a,b,c` as exactly `N` positive numbers, or exit naming the expected form.
