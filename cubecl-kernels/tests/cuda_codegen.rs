@@ -81,6 +81,19 @@ fn check_wmma_alignment(name: &str, source: &str) {
     }
 }
 
+/// CUDA builds get Burn's autotuned matmul (the `cuda` feature implies `autotune`): without
+/// it Burn 0.21 runs one fixed routine for every shape, as our first GPU run did unnoticed.
+/// `MatmulStrategy::Autotune` exists only when burn-cubecl itself was built with `autotune`,
+/// so this checks the feature as cargo resolved it, not only our flag.
+#[test]
+fn burn_matmul_is_autotuned_in_cuda_builds() {
+    use burn_cubecl::kernel::matmul::MatmulStrategy;
+    assert!(
+        matches!(MatmulStrategy::default(), MatmulStrategy::Autotune),
+        "Burn's matmul is not autotuned: keep `autotune` in cubecl-kernels' `cuda` feature"
+    );
+}
+
 #[test]
 fn every_kernel_generates_and_compiles_for_hopper() {
     let client = WgpuRuntime::client(&common::wgpu_cpu_device());
