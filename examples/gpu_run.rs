@@ -431,20 +431,14 @@ where
             .expect("the layout was checked when the batcher was built")
     };
 
+    // Burn's matmul routine matters on the CubeCL backends only (Flex has its own).
+    let matmul = match args.backend {
+        BackendChoice::Flex => String::new(),
+        _ => format!(" ({} matmul)", cubecl_kernels::BURN_MATMUL),
+    };
     println!(
-        "gpu-run: {:?} backend ({} matmul); GPT {} blocks, hidden {}, {} heads, seq {}, vocab {}",
-        args.backend,
-        // Burn 0.21 without `autotune` runs one fixed matmul routine for every shape.
-        if cfg!(feature = "autotune") {
-            "autotuned"
-        } else {
-            "fixed"
-        },
-        args.layers,
-        args.hidden,
-        args.heads,
-        args.seq_len,
-        args.vocab
+        "gpu-run: {:?} backend{matmul}; GPT {} blocks, hidden {}, {} heads, seq {}, vocab {}",
+        args.backend, args.layers, args.hidden, args.heads, args.seq_len, args.vocab
     );
     println!(
         "layout: breadth-first pp={} loops={} dp={} M={} mbs={} ZeRO-{}, {}; {ranks} on {} \

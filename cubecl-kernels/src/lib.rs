@@ -20,6 +20,16 @@ pub use api::{flash_attention, linear_cross_entropy, linear_gelu};
 pub use error::FusedError;
 pub use ops::FusedOps;
 
+/// Which routine Burn's matmul runs on CubeCL backends in this build, for reports that
+/// depend on it: `"autotuned"` with the `autotune` feature (implied by `cuda`), else `"fixed"`
+/// (Burn 0.21 then runs one cubek tensor-core routine for every shape). Both Burn's own
+/// products and the fused ops' f16/bf16 products go through it.
+pub const BURN_MATMUL: &str = if cfg!(feature = "autotune") {
+    "autotuned"
+} else {
+    "fixed"
+};
+
 /// Largest attention head dimension the kernels support (each thread keeps a query or key
 /// row and its accumulator in registers sized at compile time).
 pub const MAX_HEAD_DIM: usize = 128;

@@ -50,17 +50,8 @@ mod bench {
         set_attention_kernel, set_f32_matmul, tiled_launches, unit_matmul_launches,
         AttentionKernel, F32Matmul, TiledLaunches,
     };
-    use cubecl_kernels::{memory, reference};
+    use cubecl_kernels::{memory, reference, BURN_MATMUL};
     use peak_memory::{measure_all, memory_child, mib};
-
-    /// Which matmul Burn's side (and the fused ops' f16/bf16 products) ran, recorded in the
-    /// JSON because it changes the figures: Burn 0.21 without its `autotune` feature runs one
-    /// fixed tensor-core routine for every shape.
-    const BURN_MATMUL: &str = if cfg!(feature = "autotune") {
-        "autotuned"
-    } else {
-        "fixed (cubek SimpleCyclicCmma; build with --features autotune)"
-    };
 
     #[cfg(feature = "cuda")]
     mod dev {
