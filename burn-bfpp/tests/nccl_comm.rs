@@ -1,9 +1,12 @@
 //! `NcclComm` on real GPUs: every collective of a group on NCCL against values computed on
-//! the host, and pipeline transfers between GPUs (peer copies) and on one GPU (handoffs). Needs an NVIDIA GPU and NCCL, so it is ignored by default;
+//! the host, collectives started and finished later (compute and another communicator's call
+//! in between), and pipeline transfers between GPUs (peer copies) and on one GPU (handoffs).
+//! Needs an NVIDIA GPU and NCCL, so it is ignored by default;
 //! `scripts/gpu-run.sh` runs it and trains with it end to end (`gpu_run --comm nccl`). The
 //! CPU tests of the same logic are `comm::tests_nccl_checks` (the call agreement before each
-//! NCCL call, which groups can be communicators) and `LocalComm`'s collective tests (the
-//! values every communicator must produce).
+//! NCCL call, which groups can be communicators), `comm::launched` (the bookkeeping of calls
+//! in flight), `comm::tests_pending` and `LocalComm`'s collective tests (the values every
+//! communicator must produce).
 #![cfg(feature = "cuda")]
 
 use std::time::Duration;
@@ -11,8 +14,8 @@ use std::time::Duration;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::{Tensor, TensorData};
 use burn_bfpp::comm::{
-    run_ranks, CommConfig, CommError, Communicator, CudaBackend, Group, NcclComm, RankGrid,
-    ReduceOp,
+    run_ranks, Collective, CommConfig, CommError, Communicator, CudaBackend, Group, NcclComm,
+    RankGrid, ReduceOp,
 };
 
 type B = CudaBackend<f32, i32, u8>;
@@ -169,4 +172,116 @@ fn pipeline_transfers_between_gpus_arrive_intact() {
             .collect();
         close(&format!("rank {rank} received"), got, &want);
     }
+}
+
+/// One data-parallel replica per GPU, one pipeline rank each, so both groups are NCCL
+/// communicators (of one member on a single-GPU machine).
+fn overlap_world() -> (RankGrid, Vec<NcclComm<f32, i32, u8>>) {
+    let dp = gpus();
+    let grid = RankGrid::new(1, dp).expect("grid");
+    let devices = (0..dp).map(CudaDevice::new).collect();
+    // Overlap is the default; said here because this test is about it.
+    let config = CommConfig {
+        overlap_collectives: true,
+        ..CommConfig::with_timeout(Duration::from_secs(120))
+    };
+    let comms = NcclComm::<f32, i32, u8>::create(grid, devices, config).expect("NCCL world");
+    (grid, comms)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn started_collectives_stay_in_flight_across_compute_and_match_host_values() {
+    let (grid, comms) = overlap_world();
+    let size = grid.dp();
+    let len = 12 * size;
+    let results = run_ranks(comms, |comm| {
+        assert!(comm.on_nccl(Group::DataParallel) && comm.on_nccl(Group::Pipeline));
+        let device = comm.device().clone();
+        let t = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<B, 1>::from_data(TensorData::new(v, [n]), &device)
+        };
+        let read = |x: Tensor<B, 1>| x.into_data().to_vec::<f32>().expect("f32");
+        let mine = contribution(comm.rank(), len);
+        let group = Group::DataParallel;
+        let scattered = comm.start(Collective::ReduceScatter {
+            group,
+            tensor: t(mine.clone()),
+            op: ReduceOp::Sum,
+        })?;
+        let gathered = comm.start(Collective::AllGather {
+            group,
+            shard: t(mine[..4].to_vec()),
+        })?;
+        assert!(
+            scattered.in_flight() && gathered.in_flight(),
+            "not left in flight"
+        );
+        // Compute on the rank's stream while the calls may still run...
+        let x = Tensor::<B, 2>::ones([256, 256], &device);
+        let product = x.clone().matmul(x).sum();
+        // ...and a blocking call on the other communicator, which waits for them first.
+        let piped = read(comm.all_reduce(Group::Pipeline, t(mine.clone()), ReduceOp::Sum)?);
+        let scattered = read(comm.finish(scattered)?);
+        let gathered = read(comm.finish(gathered)?);
+        let product = product.into_data().to_vec::<f32>().expect("f32")[0];
+        Ok::<_, CommError>((scattered, gathered, piped, product))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (rank, (scattered, gathered, piped, product)) in results.iter().enumerate() {
+        let members = grid.group_members(rank, Group::DataParallel);
+        let parts: Vec<Vec<f32>> = members.iter().map(|&m| contribution(m, len)).collect();
+        let sum: Vec<f32> = (0..len).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
+        let chunk = len / size;
+        let me = grid.group_rank(rank, Group::DataParallel);
+        let want_gathered: Vec<f32> = parts.iter().flat_map(|p| p[..4].to_vec()).collect();
+        close(
+            &format!("rank {rank} started reduce-scatter"),
+            scattered,
+            &sum[me * chunk..(me + 1) * chunk],
+        );
+        close(
+            &format!("rank {rank} started all-gather"),
+            gathered,
+            &want_gathered,
+        );
+        // The pipeline group has one member: its sum is the rank's own contribution.
+        close(
+            &format!("rank {rank} pipeline all-reduce"),
+            piped,
+            &contribution(rank, len),
+        );
+        assert_eq!(
+            *product,
+            256.0f32.powi(3),
+            "rank {rank}: the compute in between"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL"]
+fn started_collectives_finished_out_of_order_are_refused_and_released() {
+    let (_grid, comms) = overlap_world();
+    let err = run_ranks(comms, |comm| {
+        let device = comm.device().clone();
+        let shard = |v: f32| Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), &device);
+        let group = Group::DataParallel;
+        let first = comm.start(Collective::AllGather {
+            group,
+            shard: shard(1.0),
+        })?;
+        let second = comm.start(Collective::AllGather {
+            group,
+            shard: shard(2.0),
+        })?;
+        let late = comm.finish(second)?;
+        // Not reached: the first stays in flight, and dropping the communicator with it
+        // (the error path) must abort the call, not hang or crash.
+        let early = comm.finish(first)?;
+        Ok::<_, CommError>((early.into_data(), late.into_data()))
+    })
+    .expect_err("finished out of order");
+    assert!(err.to_string().contains("order they started"), "{err}");
 }

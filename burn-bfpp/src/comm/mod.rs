@@ -42,6 +42,8 @@
 mod cuda_peer;
 mod error;
 mod host;
+#[cfg(any(feature = "cuda", test))]
+mod launched;
 mod local;
 mod mailbox;
 #[cfg(feature = "mpi")]
@@ -487,9 +489,9 @@ pub trait Communicator<B: Backend> {
     fn finish(&self, pending: Pending<B>) -> Result<Tensor<B, 1>, CommError> {
         pending
             .into_state()
-            .map_err(|posted| CommError::InvalidArgument {
+            .map_err(|unfinished| CommError::InvalidArgument {
                 rank: self.rank(),
-                action: posted.action,
+                action: unfinished.action(),
                 reason: "this communicator completes collectives where they start, so this \
                          one was started by another communicator; finish it there"
                     .into(),

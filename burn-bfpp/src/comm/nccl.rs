@@ -21,6 +21,13 @@
 //! action instead of hanging the device in NCCL; a peer that dies inside the call ends it at
 //! the timeout, with the communicator aborted.
 //!
+//! [`Communicator::start`] launches a collective on NCCL and returns without waiting for it
+//! (with [`CommConfig::overlap_collectives`] on, the default): the communicator keeps the call
+//! and its buffers, the [`Pending`] carries a ticket, and [`Communicator::finish`] waits for
+//! the call, so the transfer runs beside the compute issued in between. Dropped with calls in
+//! flight (an error path), the communicator aborts their NCCL communicators before it
+//! releases their buffers.
+//!
 //! NCCL sums are not taken in group-rank order, so results match [`LocalComm`] to rounding,
 //! not bitwise.
 
@@ -35,11 +42,14 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::CudaRuntime;
 
 use super::cuda_peer::move_to_device;
-use super::nccl_group::{nccl_unique_id, NcclFailure, NcclMember};
+use super::launched::LaunchedCalls;
+use super::nccl_group::{nccl_unique_id, Launched, NcclFailure, NcclMember};
 use super::nccl_host::{setup_group, NcclHost};
+use super::pending::{not_started_here, Ticket, Unfinished};
 use super::threads::{ThreadRank, World};
 use super::{
-    CommConfig, CommError, CommOp, Communicator, Group, LocalComm, ProcessRank, RankGrid, ReduceOp,
+    Collective, CommConfig, CommError, CommOp, Communicator, Group, LocalComm, Pending,
+    ProcessRank, RankGrid, ReduceOp,
 };
 
 /// Burn's CUDA backend (the CubeCL one, without fusion) with the given element types.
@@ -60,6 +70,9 @@ pub struct NcclComm<
     dp: RefCell<NcclMember>,
     /// Its member of its pipeline group's communicator, when that group spans distinct GPUs.
     pp: Option<RefCell<NcclMember>>,
+    /// Collectives [`Communicator::start`] launched and [`Communicator::finish`] has not
+    /// handed back (see [`super::launched`]).
+    launched: RefCell<LaunchedCalls<Launched>>,
     _elements: PhantomData<CudaBackend<F, I, BT>>,
 }
 
@@ -165,6 +178,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
                     host: local,
                     dp: RefCell::new(dp),
                     pp: pp.map(RefCell::new),
+                    launched: RefCell::default(),
                     _elements: PhantomData,
                 })
             })
@@ -216,6 +230,7 @@ where
             host,
             dp: RefCell::new(dp),
             pp: pp.map(RefCell::new),
+            launched: RefCell::default(),
             _elements: PhantomData,
         })
     }
@@ -251,18 +266,17 @@ where
         }
     }
 
-    /// Runs `call` on `group`'s NCCL member after every member agreed on `action` and the
-    /// input's shape; an NCCL failure aborts the world with an error naming this rank.
-    fn nccl<const D: usize, const E: usize>(
+    /// Launches `call` on `group`'s NCCL member after every member agreed on `action` and the
+    /// input's shape, and once the calls in flight on this rank's other communicator finished
+    /// (so no two of its communicators have calls in flight at once; see
+    /// [`super::nccl_group`]). An NCCL failure aborts the world with an error naming this rank.
+    fn launch<const D: usize>(
         &self,
         group: Group,
         action: CommOp,
         tensor: Tensor<CudaBackend<F, I, BT>, D>,
-        call: impl FnOnce(
-            &mut NcclMember,
-            CubeTensor<CudaRuntime>,
-        ) -> Result<CubeTensor<CudaRuntime>, NcclFailure>,
-    ) -> Result<Tensor<CudaBackend<F, I, BT>, E>, CommError> {
+        call: impl FnOnce(&mut NcclMember, CubeTensor<CudaRuntime>) -> Result<Launched, NcclFailure>,
+    ) -> Result<Launched, CommError> {
         let member = self.member(group).ok_or_else(|| {
             self.host.fail(CommError::InvalidArgument {
                 rank: self.host.rank(),
@@ -271,15 +285,121 @@ where
             })
         })?;
         self.host.agree(group, action, &tensor.dims())?;
+        let other = match group {
+            Group::DataParallel => Group::Pipeline,
+            Group::Pipeline => Group::DataParallel,
+        };
+        self.wait_for_newest(other, action)?;
         let input = tensor.into_primitive().tensor();
-        let output = call(&mut member.borrow_mut(), input).map_err(|reason| {
-            self.host.fail(CommError::Nccl {
-                rank: self.host.rank(),
-                action,
-                reason,
-            })
-        })?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
+        call(&mut member.borrow_mut(), input).map_err(|reason| self.nccl_failed(action, reason))
+    }
+
+    /// Waits until the calls in flight on `group`'s communicator finished (`action` is the
+    /// call that waits, as errors name it).
+    fn wait_for_newest(&self, group: Group, action: CommOp) -> Result<(), CommError> {
+        let launched = self.launched.borrow();
+        let (Some(newest), Some(member)) = (launched.newest(group), self.member(group)) else {
+            return Ok(());
+        };
+        let timeout = self.host.config().timeout;
+        member
+            .borrow_mut()
+            .wait_for(newest, timeout)
+            .map_err(|reason| self.nccl_failed(action, reason))
+    }
+
+    /// Waits for a call `group`'s member launched and returns its output as a tensor.
+    fn wait_for<const E: usize>(
+        &self,
+        group: Group,
+        action: CommOp,
+        call: Launched,
+    ) -> Result<Tensor<CudaBackend<F, I, BT>, E>, CommError> {
+        let timeout = self.host.config().timeout;
+        if let Some(member) = self.member(group) {
+            member
+                .borrow_mut()
+                .wait_for(&call, timeout)
+                .map_err(|reason| self.nccl_failed(action, reason))?;
+        }
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(
+            call.into_output(),
+        )))
+    }
+
+    /// Launches `call` and waits for it: a blocking collective.
+    fn nccl<const D: usize, const E: usize>(
+        &self,
+        group: Group,
+        action: CommOp,
+        tensor: Tensor<CudaBackend<F, I, BT>, D>,
+        call: impl FnOnce(&mut NcclMember, CubeTensor<CudaRuntime>) -> Result<Launched, NcclFailure>,
+    ) -> Result<Tensor<CudaBackend<F, I, BT>, E>, CommError> {
+        let launched = self.launch(group, action, tensor, call)?;
+        self.wait_for(group, action, launched)
+    }
+
+    /// An NCCL failure of this rank in `action`, recorded so that every rank stops.
+    fn nccl_failed(&self, action: CommOp, reason: NcclFailure) -> CommError {
+        self.host.fail(CommError::Nccl {
+            rank: self.host.rank(),
+            action,
+            reason,
+        })
+    }
+
+    /// Fails (aborting the world) when a reduce-scatter's input cannot be split over `group`.
+    fn check_divisible(&self, group: Group, action: CommOp, len: usize) -> Result<(), CommError> {
+        let size = self.group_size(group);
+        if len % size == 0 {
+            return Ok(());
+        }
+        Err(self.host.fail(CommError::InvalidArgument {
+            rank: self.rank(),
+            action,
+            reason: format!("length {len} is not divisible by the group size {size}"),
+        }))
+    }
+
+    /// Launches `collective` on its group's NCCL member without waiting for it.
+    fn launch_collective(
+        &self,
+        collective: Collective<CudaBackend<F, I, BT>>,
+    ) -> Result<Launched, CommError> {
+        let action = collective.op();
+        match collective {
+            Collective::AllGather { group, shard } => {
+                self.launch(group, action, shard, |m, t| m.all_gather(t))
+            }
+            Collective::ReduceScatter { group, tensor, op } => {
+                self.check_divisible(group, action, tensor.dims()[0])?;
+                self.launch(group, action, tensor, |m, t| m.reduce_scatter(t, op))
+            }
+            Collective::AllReduce { group, tensor, op } => {
+                self.launch(group, action, tensor, |m, t| m.all_reduce(t, op))
+            }
+        }
+    }
+}
+
+/// Calls still in flight when the communicator goes away (an error path dropped their
+/// pending handles) would write into buffers that are released with them: the members are
+/// aborted first, which ends the calls.
+impl<F: FloatElement, I: IntElement, BT: BoolElement, H> Drop for NcclComm<F, I, BT, H> {
+    fn drop(&mut self) {
+        let launched = self.launched.get_mut();
+        if launched.is_empty() {
+            return;
+        }
+        for (group, _call) in launched.drain() {
+            let member = match group {
+                Group::DataParallel => Some(&mut self.dp),
+                Group::Pipeline => self.pp.as_mut(),
+            };
+            if let Some(member) = member {
+                member.get_mut().abort_unfinished();
+            }
+        }
     }
 }
 
@@ -367,9 +487,8 @@ where
         if !self.on_nccl(group) {
             return self.host.all_gather(group, shard);
         }
-        let timeout = self.host.config().timeout;
         self.nccl(group, CommOp::AllGather(group), shard, |m, t| {
-            m.all_gather(t, timeout)
+            m.all_gather(t)
         })
     }
 
@@ -383,19 +502,8 @@ where
             return self.host.reduce_scatter(group, tensor, op);
         }
         let action = CommOp::ReduceScatter(group, op);
-        let size = self.group_size(group);
-        let len = tensor.dims()[0];
-        if len % size != 0 {
-            return Err(self.host.fail(CommError::InvalidArgument {
-                rank: self.rank(),
-                action,
-                reason: format!("length {len} is not divisible by the group size {size}"),
-            }));
-        }
-        let timeout = self.host.config().timeout;
-        self.nccl(group, action, tensor, |m, t| {
-            m.reduce_scatter(t, op, timeout)
-        })
+        self.check_divisible(group, action, tensor.dims()[0])?;
+        self.nccl(group, action, tensor, |m, t| m.reduce_scatter(t, op))
     }
 
     fn all_reduce<const D: usize>(
@@ -407,9 +515,8 @@ where
         if !self.on_nccl(group) {
             return self.host.all_reduce(group, tensor, op);
         }
-        let timeout = self.host.config().timeout;
         self.nccl(group, CommOp::AllReduce(group, op), tensor, |m, t| {
-            m.all_reduce(t, op, timeout)
+            m.all_reduce(t, op)
         })
     }
 
@@ -423,14 +530,68 @@ where
             // The host path also reports an out-of-range root.
             return self.host.broadcast(group, root, tensor);
         }
-        let timeout = self.host.config().timeout;
         self.nccl(group, CommOp::Broadcast(group, root), tensor, |m, t| {
-            m.broadcast(t, root, timeout)
+            m.broadcast(t, root)
         })
     }
 
     fn barrier(&self, group: Group) -> Result<(), CommError> {
         self.host.barrier(group)
+    }
+
+    /// On an NCCL group with [`CommConfig::overlap_collectives`] on, launches the call on the
+    /// member's stream and returns: the rank computes while the transfer runs, and
+    /// [`Communicator::finish`] waits for it. Otherwise completes it here (the host path
+    /// overlaps as its communicator does).
+    fn start(
+        &self,
+        collective: Collective<CudaBackend<F, I, BT>>,
+    ) -> Result<Pending<CudaBackend<F, I, BT>>, CommError> {
+        let group = collective.group();
+        if !self.on_nccl(group) {
+            return self.host.start(collective);
+        }
+        let action = collective.op();
+        let launched = self.launch_collective(collective)?;
+        if !self.host.config().overlap_collectives {
+            return self.wait_for(group, action, launched).map(Pending::done);
+        }
+        let id = self.launched.borrow_mut().push(group, launched);
+        Ok(Pending::launched(Ticket {
+            rank: self.rank(),
+            group,
+            action,
+            id,
+        }))
+    }
+
+    fn finish(
+        &self,
+        pending: Pending<CudaBackend<F, I, BT>>,
+    ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, CommError> {
+        let ticket = match pending.into_state() {
+            Ok(result) => return Ok(result),
+            Err(Unfinished::Launched(ticket)) if ticket.rank == self.rank() => ticket,
+            Err(Unfinished::Posted(posted)) => {
+                return self.host.finish(Pending::posted(posted));
+            }
+            Err(other) => {
+                return Err(self.host.fail(CommError::InvalidArgument {
+                    rank: self.rank(),
+                    action: other.action(),
+                    reason: not_started_here(&other),
+                }))
+            }
+        };
+        let taken = self.launched.borrow_mut().take(ticket.id, ticket.group);
+        let call = taken.map_err(|reason| {
+            self.host.fail(CommError::InvalidArgument {
+                rank: self.rank(),
+                action: ticket.action,
+                reason,
+            })
+        })?;
+        self.wait_for(ticket.group, ticket.action, call)
     }
 
     fn abort(&self, cause: &str) {

@@ -4,15 +4,19 @@
 //! Each member owns its communicator and a CUDA stream of its own. A collective takes the
 //! input's device pointer from CubeCL's memory pool, waits for the rank's queued compute
 //! (`Backend::sync`, since CubeCL does not expose its streams to order against), launches the
-//! NCCL call on the member's stream and waits for that stream before the output tensor is
-//! handed back, so later kernels read finished data. No host copy. The wait polls the stream
-//! and NCCL's asynchronous error state, and past the world's timeout aborts the communicator:
-//! a peer that dies inside a collective ends this rank with an error instead of a hang.
+//! NCCL call on the member's stream and records an event after it: a [`Launched`] call. No
+//! host copy. The caller keeps the call (its input and output stay allocated and unmoved) and
+//! waits for its event before handing the output to later kernels, so they read finished
+//! data; in between the rank's compute runs beside the transfer. The wait polls the event and
+//! NCCL's asynchronous error state, and past the world's timeout aborts the communicator: a
+//! peer that dies inside a collective ends this rank with an error instead of a hang.
 //!
-//! Because every member waits for its call to finish before issuing the next, no two NCCL
-//! calls of one rank are ever in flight together, so the order in which members issue them
-//! (the same on every member, as for every collective of the engine) is the only ordering
-//! NCCL needs.
+//! Calls of one member run in launch order on its stream, so waiting for a call also covers
+//! the member's older ones. Every member of a group launches the group's calls in the same
+//! order (as the engine issues every collective), which is the only ordering NCCL needs
+//! within a communicator; across a rank's two communicators `NcclComm` waits for the other
+//! one's calls before it launches on one, so no two communicators of a rank have calls in
+//! flight at once.
 
 use std::ffi::c_void;
 use std::fmt;
@@ -56,6 +60,47 @@ impl fmt::Debug for NcclMember {
             .field("group_rank", &self.group_rank)
             .field("group_size", &self.group_size)
             .field("aborted", &self.aborted)
+            .finish()
+    }
+}
+
+/// An NCCL call launched on a member's stream; see the [module docs](self). Dropping it
+/// before [`NcclMember::wait_for`] returned releases buffers the call may still use: the
+/// owner aborts the member first (see `NcclComm`'s `Drop`).
+pub(crate) struct Launched {
+    output: CubeTensor<CudaRuntime>,
+    /// Kept until the call finished, with both buffers' bindings in CubeCL's memory pool
+    /// (while held, an allocation stays where it is and goes to no other tensor; boxed
+    /// because CubeCL does not export the binding's type).
+    _input: CubeTensor<CudaRuntime>,
+    _buffers: [Box<dyn std::any::Any + Send>; 2],
+    /// Recorded on the member's stream right after the call.
+    done: cusys::CUevent,
+}
+
+// SAFETY: the event is a plain handle; a call moves with its rank's communicator into the
+// rank's thread and is only used there.
+unsafe impl Send for Launched {}
+
+impl Launched {
+    /// The call's output; only to be used once [`NcclMember::wait_for`] returned for it.
+    pub(crate) fn into_output(self) -> CubeTensor<CudaRuntime> {
+        self.output.clone()
+    }
+}
+
+impl Drop for Launched {
+    fn drop(&mut self) {
+        // SAFETY: the event was created for this call and is destroyed once; CUDA releases an
+        // event that is still pending when it completes.
+        let _ = unsafe { cu::event::destroy(self.done) };
+    }
+}
+
+impl fmt::Debug for Launched {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Launched")
+            .field("output_shape", &self.output.meta.shape())
             .finish()
     }
 }
@@ -171,12 +216,10 @@ impl NcclMember {
         &mut self,
         input: CubeTensor<CudaRuntime>,
         op: ReduceOp,
-        timeout: Duration,
-    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+    ) -> Result<Launched, NcclFailure> {
         self.collective(
             input,
             |n| n,
-            timeout,
             |c| {
                 // SAFETY: both buffers hold `input_len` elements of `ty` on this member's GPU.
                 unsafe {
@@ -198,13 +241,11 @@ impl NcclMember {
     pub(crate) fn all_gather(
         &mut self,
         shard: CubeTensor<CudaRuntime>,
-        timeout: Duration,
-    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+    ) -> Result<Launched, NcclFailure> {
         let size = self.group_size;
         self.collective(
             shard,
             |n| n * size,
-            timeout,
             |c| {
                 // SAFETY: `send` holds `input_len` elements and `recv` `input_len × size`.
                 unsafe { nccl::all_gather(c.send, c.recv, c.input_len, c.ty, c.comm, c.stream) }
@@ -218,13 +259,11 @@ impl NcclMember {
         &mut self,
         tensor: CubeTensor<CudaRuntime>,
         op: ReduceOp,
-        timeout: Duration,
-    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+    ) -> Result<Launched, NcclFailure> {
         let size = self.group_size;
         self.collective(
             tensor,
             |n| n / size,
-            timeout,
             |c| {
                 // SAFETY: `send` holds `output_len × size` elements and `recv` `output_len`.
                 unsafe {
@@ -240,12 +279,10 @@ impl NcclMember {
         &mut self,
         tensor: CubeTensor<CudaRuntime>,
         root: usize,
-        timeout: Duration,
-    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+    ) -> Result<Launched, NcclFailure> {
         self.collective(
             tensor,
             |n| n,
-            timeout,
             |c| {
                 // SAFETY: both buffers hold `input_len` elements of `ty`.
                 unsafe {
@@ -263,16 +300,15 @@ impl NcclMember {
         )
     }
 
-    /// Runs one NCCL call from `tensor` (made contiguous) into a fresh output whose first
+    /// Launches one NCCL call from `tensor` (made contiguous) into a fresh output whose first
     /// dimension is `first_dim` of the input's (other dimensions kept), on this member's
-    /// stream, and waits for it; see the module docs for the ordering and the timeout.
+    /// stream; see the module docs for the ordering.
     fn collective(
         &mut self,
         tensor: CubeTensor<CudaRuntime>,
         first_dim: impl Fn(usize) -> usize,
-        timeout: Duration,
         call: impl FnOnce(&Call) -> Result<nccl::NcclStatus, nccl::NcclError>,
-    ) -> Result<CubeTensor<CudaRuntime>, NcclFailure> {
+    ) -> Result<Launched, NcclFailure> {
         if self.aborted {
             return Err("the NCCL communicator was aborted by an earlier failure".into());
         }
@@ -294,7 +330,6 @@ impl NcclMember {
                 .get_resource(t.handle.clone())
                 .map_err(|e| format!("device buffer of the tensor: {e:?}"))
         };
-        // Held until the call finished: they keep both allocations alive and unmoved.
         let send = resource(&input)?;
         let recv = resource(&output)?;
         wait_for_producers(&input)?;
@@ -308,27 +343,49 @@ impl NcclMember {
             stream: self.stream as nsys::cudaStream_t,
         };
         // SAFETY: the context was retained at creation; the pointers are live device buffers
-        // of this GPU (held above), the stream and communicator belong to this member.
+        // of this GPU (held by the returned call), the stream and communicator belong to this
+        // member.
         unsafe { cu::ctx::set_current(self.context) }
             .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+        let done = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| format!("cuEventCreate: {e:?}"))?;
+        let launched = Launched {
+            output,
+            _input: input,
+            _buffers: [Box::new(send), Box::new(recv)],
+            done,
+        };
         call(&args).map_err(|e| format!("launch: {e:?}"))?;
-        self.wait(timeout)?;
-        Ok(output)
+        // SAFETY: the event was created above, the stream is this member's.
+        unsafe { cu::event::record(done, self.stream) }
+            .map_err(|e| self.abort(format!("cuEventRecord after the call: {e:?}")))?;
+        Ok(launched)
     }
 
-    /// Polls the member's stream until the call finished, NCCL reported an error, or
-    /// `timeout` passed; on error or timeout the communicator is aborted (which also ends the
-    /// kernel waiting for a peer), so this rank never hangs in NCCL.
-    fn wait(&mut self, timeout: Duration) -> Result<(), NcclFailure> {
+    /// Polls `call`'s event (launched by this member) until the call finished, NCCL reported
+    /// an error, or `timeout` passed; on error or timeout the communicator is aborted (which
+    /// also ends the kernel waiting for a peer), so this rank never hangs in NCCL.
+    pub(crate) fn wait_for(
+        &mut self,
+        call: &Launched,
+        timeout: Duration,
+    ) -> Result<(), NcclFailure> {
+        if self.aborted {
+            return Err("the NCCL communicator was aborted by an earlier failure".into());
+        }
         let start = Instant::now();
         let mut pause = Duration::from_micros(5);
         loop {
-            // SAFETY: the stream and communicator are this member's, with its context current.
-            let done = unsafe { cusys::cuStreamQuery(self.stream) };
+            // SAFETY: the event is the call's, the communicator this member's, with its
+            // context current.
+            let done = unsafe {
+                let _ = cu::ctx::set_current(self.context);
+                cusys::cuEventQuery(call.done)
+            };
             match done {
                 cusys::CUresult::CUDA_SUCCESS => return Ok(()),
                 cusys::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(self.abort(format!("CUDA stream error {other:?}"))),
+                other => return Err(self.abort(format!("CUDA error {other:?}"))),
             }
             let mut state = nsys::ncclResult_t::ncclSuccess;
             // SAFETY: as above.
@@ -349,6 +406,14 @@ impl NcclMember {
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// Aborts the communicator, if it is not aborted yet, when calls launched on it are about
+    /// to be dropped unfinished: the abort ends them, so their buffers can be released.
+    pub(crate) fn abort_unfinished(&mut self) {
+        if !self.aborted {
+            let _ = self.abort("calls still in flight when the communicator went away".into());
         }
     }
 

@@ -198,6 +198,48 @@ pub struct Pending<B: Backend> {
 enum State<B: Backend> {
     Done(Tensor<B, 1>),
     Posted(Posted),
+    // Only the `cuda` feature's `NcclComm` launches calls.
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    Launched(Ticket),
+}
+
+/// A collective a device communicator launched on its own stream and keeps until it is
+/// finished (`NcclComm`): the pending handle carries only which call it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    /// World rank of the member that launched it.
+    pub(crate) rank: usize,
+    pub(crate) group: Group,
+    pub(crate) action: CommOp,
+    /// The call's number among those its communicator launched.
+    pub(crate) id: u64,
+}
+
+/// What a [`Pending`] that did not complete at start still waits for.
+#[derive(Debug)]
+pub(crate) enum Unfinished {
+    /// Peers' parts of a host-side collective.
+    Posted(Posted),
+    /// A call on a device communicator's stream.
+    Launched(Ticket),
+}
+
+impl Unfinished {
+    /// World rank of the member that started it.
+    pub(crate) fn rank(&self) -> usize {
+        match self {
+            Unfinished::Posted(p) => p.rank,
+            Unfinished::Launched(t) => t.rank,
+        }
+    }
+
+    /// The call, as errors name it.
+    pub(crate) fn action(&self) -> CommOp {
+        match self {
+            Unfinished::Posted(p) => p.action,
+            Unfinished::Launched(t) => t.action,
+        }
+    }
 }
 
 impl<B: Backend> Pending<B> {
@@ -214,27 +256,40 @@ impl<B: Backend> Pending<B> {
         }
     }
 
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    pub(crate) fn launched(ticket: Ticket) -> Self {
+        Pending {
+            state: State::Launched(ticket),
+        }
+    }
+
     /// Whether the result is still to be waited for (false when the call completed at start:
     /// a group of one, or a communicator that does not overlap).
     pub fn in_flight(&self) -> bool {
-        matches!(self.state, State::Posted(_))
+        !matches!(self.state, State::Done(_))
     }
 
     /// The result, or what is still to be waited for.
-    pub(crate) fn into_state(self) -> Result<Tensor<B, 1>, Posted> {
+    pub(crate) fn into_state(self) -> Result<Tensor<B, 1>, Unfinished> {
         match self.state {
             State::Done(t) => Ok(t),
-            State::Posted(p) => Err(p),
+            State::Posted(p) => Err(Unfinished::Posted(p)),
+            State::Launched(t) => Err(Unfinished::Launched(t)),
         }
     }
 }
 
-/// Why a collective posted by another rank's communicator cannot be finished here.
-fn not_started_here(posted: &Posted) -> String {
+/// Why a collective started by another communicator (another rank's, or one of another
+/// kind) cannot be finished here.
+pub(crate) fn not_started_here(unfinished: &Unfinished) -> String {
     format!(
-        "this collective was started by rank {}'s communicator; finish it on the \
+        "this collective was started by rank {}'s {} communicator; finish it on the \
          communicator that started it",
-        posted.rank
+        unfinished.rank(),
+        match unfinished {
+            Unfinished::Posted(_) => "host",
+            Unfinished::Launched(_) => "device (NCCL)",
+        }
     )
 }
 
@@ -385,14 +440,12 @@ pub(crate) fn finish<B: Backend, C: PostAndCollect<B>>(
 ) -> Result<Tensor<B, 1>, CommError> {
     match pending.into_state() {
         Ok(result) => Ok(result),
-        Err(posted) if posted.rank != comm.rank() => {
-            Err(comm.fail_call(CommError::InvalidArgument {
-                rank: comm.rank(),
-                action: posted.action,
-                reason: not_started_here(&posted),
-            }))
-        }
-        Err(posted) => complete(comm, posted),
+        Err(Unfinished::Posted(posted)) if posted.rank == comm.rank() => complete(comm, posted),
+        Err(other) => Err(comm.fail_call(CommError::InvalidArgument {
+            rank: comm.rank(),
+            action: other.action(),
+            reason: not_started_here(&other),
+        })),
     }
 }
 

@@ -184,3 +184,26 @@ fn a_collective_is_finished_only_where_it_started() {
         "{err}"
     );
 }
+
+/// A collective launched by a device communicator (`NcclComm`, which keeps the call and hands
+/// out a ticket) cannot be finished by a host communicator: an error naming where it started.
+#[test]
+fn a_host_communicator_refuses_a_device_call() {
+    let err = run_ranks(world(1, 1, Duration::from_secs(5)), |comm| {
+        let ticket = pending::Ticket {
+            rank: comm.rank(),
+            group: Group::DataParallel,
+            action: CommOp::AllGather(Group::DataParallel),
+            id: 0,
+        };
+        let pending = Pending::launched(ticket);
+        assert!(pending.in_flight(), "a launched call is in flight");
+        comm.finish(pending).map(values)
+    })
+    .expect_err("a host communicator finished a device call");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("device (NCCL) communicator") && msg.contains("all-gather"),
+        "{msg}"
+    );
+}
