@@ -22,9 +22,10 @@
 //! the timeout, with the communicator aborted.
 //!
 //! [`Communicator::start`] launches a collective on NCCL and returns without waiting for it
-//! (with [`CommConfig::overlap_collectives`](super::CommConfig::overlap_collectives) on, the default): the communicator keeps the call
-//! and its buffers, the [`Pending`] carries a ticket, and [`Communicator::finish`] waits for
-//! the call, so the transfer runs beside the compute issued in between. Dropped with calls in
+//! (with [`CommConfig::overlap_collectives`](super::CommConfig::overlap_collectives) on, the
+//! default): the communicator keeps the call and its buffers, the [`Pending`] carries a
+//! ticket, and [`Communicator::finish`] waits for the call, so the transfer runs beside the
+//! compute issued in between. Dropped with calls in
 //! flight (an error path), the communicator aborts their NCCL communicators before it
 //! releases their buffers.
 //!
@@ -130,13 +131,7 @@ where
         tensor: Tensor<CudaBackend<F, I, BT>, D>,
         call: impl FnOnce(&mut NcclMember, CubeTensor<CudaRuntime>) -> Result<Launched, NcclFailure>,
     ) -> Result<Launched, CommError> {
-        let member = self.member(group).ok_or_else(|| {
-            self.host.fail(CommError::InvalidArgument {
-                rank: self.host.rank(),
-                action,
-                reason: format!("the {group} has no NCCL communicator"),
-            })
-        })?;
+        let member = self.nccl_member(group, action)?;
         self.host.agree(group, action, &tensor.dims())?;
         let other = match group {
             Group::DataParallel => Group::Pipeline,
@@ -169,15 +164,25 @@ where
         call: Launched,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, E>, CommError> {
         let timeout = self.host.config().timeout;
-        if let Some(member) = self.member(group) {
-            member
-                .borrow_mut()
-                .wait_for(&call, timeout)
-                .map_err(|reason| self.nccl_failed(action, reason))?;
-        }
+        self.nccl_member(group, action)?
+            .borrow_mut()
+            .wait_for(&call, timeout)
+            .map_err(|reason| self.nccl_failed(action, reason))?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(
             call.into_output(),
         )))
+    }
+
+    /// `group`'s NCCL member, or (aborting the world) an error naming `action` when the group
+    /// runs on the host path.
+    fn nccl_member(&self, group: Group, action: CommOp) -> Result<&RefCell<NcclMember>, CommError> {
+        self.member(group).ok_or_else(|| {
+            self.host.fail(CommError::InvalidArgument {
+                rank: self.host.rank(),
+                action,
+                reason: format!("the {group} has no NCCL communicator"),
+            })
+        })
     }
 
     /// Launches `call` and waits for it: a blocking collective.
@@ -392,10 +397,11 @@ where
         self.host.barrier(group)
     }
 
-    /// On an NCCL group with [`CommConfig::overlap_collectives`](super::CommConfig::overlap_collectives) on, launches the call on the
-    /// member's stream and returns: the rank computes while the transfer runs, and
-    /// [`Communicator::finish`] waits for it. Otherwise completes it here (the host path
-    /// overlaps as its communicator does).
+    /// On an NCCL group with
+    /// [`CommConfig::overlap_collectives`](super::CommConfig::overlap_collectives) on,
+    /// launches the call on the member's stream and returns: the rank computes while the
+    /// transfer runs, and [`Communicator::finish`] waits for it. Otherwise completes it here
+    /// (the host path overlaps as its communicator does).
     fn start(
         &self,
         collective: Collective<CudaBackend<F, I, BT>>,
