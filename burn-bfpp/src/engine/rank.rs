@@ -202,6 +202,14 @@ where
     }
     let loss_scale = exec.loss_scale();
     let finished = exec.finish()?;
+    // The stages leave this thread (the trained model is assembled by the caller): their last
+    // updates may still be queued on this thread's stream, which another thread's reads do
+    // not wait for on CubeCL backends.
+    B::InnerBackend::sync(comm.device()).map_err(|e| {
+        EngineError::RankFailure(format!(
+            "rank {rank}: the device failed while finishing the last step's kernels: {e:?}"
+        ))
+    })?;
     Ok(RankOutcome {
         losses,
         stages: finished.stages,
