@@ -50,7 +50,7 @@ use super::cuda_peer::move_to_device;
 use super::launched::LaunchedCalls;
 use super::nccl_group::{Launched, NcclFailure, NcclMember};
 use super::nccl_host::NcclHost;
-use super::pending::{not_started_here, Ticket, Unfinished};
+use super::pending::{Ticket, Unfinished};
 use super::threads::{ThreadRank, World};
 use super::{
     Collective, CommError, CommOp, Communicator, Group, LocalComm, Pending, ProcessRank, RankGrid,
@@ -431,16 +431,8 @@ where
         let ticket = match pending.into_state() {
             Ok(result) => return Ok(result),
             Err(Unfinished::Launched(ticket)) if ticket.rank == self.rank() => ticket,
-            Err(Unfinished::Posted(posted)) => {
-                return self.host.finish(Pending::posted(posted));
-            }
-            Err(other) => {
-                return Err(self.host.fail(CommError::InvalidArgument {
-                    rank: self.rank(),
-                    action: other.action(),
-                    reason: not_started_here(&other),
-                }))
-            }
+            // The host's own collectives, and its error for anything started elsewhere.
+            Err(other) => return self.host.finish(Pending::from(other)),
         };
         let taken = self.launched.borrow_mut().take(ticket.id, ticket.group);
         let call = taken.map_err(|reason| {

@@ -279,9 +279,22 @@ impl<B: Backend> Pending<B> {
     }
 }
 
+/// Hands an unfinished collective back as the handle it came from, so that a layered
+/// communicator (`NcclComm`) can pass what is not its own to the communicator below.
+impl<B: Backend> From<Unfinished> for Pending<B> {
+    fn from(unfinished: Unfinished) -> Self {
+        Pending {
+            state: match unfinished {
+                Unfinished::Posted(p) => State::Posted(p),
+                Unfinished::Launched(t) => State::Launched(t),
+            },
+        }
+    }
+}
+
 /// Why a collective started by another communicator (another rank's, or one of another
 /// kind) cannot be finished here.
-pub(crate) fn not_started_here(unfinished: &Unfinished) -> String {
+fn not_started_here(unfinished: &Unfinished) -> String {
     format!(
         "this collective was started by rank {}'s {} communicator; finish it on the \
          communicator that started it",
