@@ -195,6 +195,31 @@ impl<B: Backend> LocalComm<B> {
         Ok(())
     }
 
+    /// A tensor handed over by a thread on this device, copied into memory of this thread.
+    ///
+    /// CubeCL gives each thread its own stream, and memory returns to the pool of the stream
+    /// that allocated it once its last handle goes. Its CUDA runtime keeps memory shared
+    /// between streams alive until the reading stream has passed an event; its wgpu runtime
+    /// does not in 0.10 (fixed upstream later, tracel-ai/cubecl#1434). There the receiver's
+    /// kernels that read the tensor may still wait in this thread's queue when the receiver
+    /// drops it, and the sender's next allocation of that size writes into the same memory
+    /// and may reach the device first: the wgpu engine test with fused kernels lost most of
+    /// one micro-batch's gradient that way about one run in eight under CPU load
+    /// (`tests/comm_wgpu.rs` builds the interleaving). So the receiver copies the tensor
+    /// while the sender's handle is held, waits for its own queue (the copy included), and
+    /// only then lets the sender's memory go.
+    fn adopt<const D: usize>(
+        &self,
+        handed_over: Tensor<B, D>,
+        action: CommOp,
+    ) -> Result<Tensor<B, D>, CommError> {
+        // The clone keeps the original alive, so the multiplication cannot run in place.
+        let own = handed_over.clone().mul_scalar(1.0);
+        B::sync(self.device()).map_err(|e| self.data_error(action, format!("{e:?}")))?;
+        drop(handed_over);
+        Ok(own)
+    }
+
     /// Reads a tensor back to the host.
     fn read<const D: usize>(
         &self,
@@ -322,9 +347,9 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         let payload = if (same_device && self.config.same_device_handoff)
             || (!same_device && self.cross_device_handoff)
         {
-            // The producing work may still be queued on this thread (see the config's doc);
-            // without this the wgpu engine test with fused kernels failed about one run in
-            // three under CPU load.
+            // The producing work may still be queued on this thread (see the config's doc).
+            // A peer's copy across devices (`cuda_peer`) reads the memory outside CubeCL's
+            // stream ordering, so it needs the work done, not merely queued first.
             B::sync(self.device()).map_err(|e| self.data_error(action, format!("{e:?}")))?;
             Payload::Handoff(Handoff::new(tensor))
         } else {
@@ -384,6 +409,9 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
                 })?;
                 if tensor.dims() != shape {
                     return Err(self.shape_mismatch(peer, action, &shape, &tensor.dims()));
+                }
+                if self.devices[peer] == *self.device() {
+                    return self.adopt(tensor, action);
                 }
                 Ok(tensor)
             }
