@@ -4,7 +4,7 @@
 //! checkpoint's weights.
 #![cfg(feature = "flex")]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use burn::backend::{Autodiff, Flex};
@@ -14,17 +14,18 @@ use burn_bfpp::checkpoint::{consolidate, load, param_entries};
 use burn_bfpp::model::{autodiff_lock, flatten_params, Gpt, GptConfig};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde_json::Value;
+use tempfile::TempDir;
 
 mod common;
-use common::{fresh_dir, json_of, losses, norm, rel, P2_V2_D2_ZERO3, TINY};
+use common::{json_of, losses, norm, rel, scratch_dir, P2_V2_D2_ZERO3, TINY};
 
 type B = Autodiff<Flex>;
 
 /// Every run's communication timeout: short, so a hang fails the test quickly.
 const COMM_TIMEOUT: &[&str] = &["--comm-timeout", "20"];
 
-fn temp_dir(name: &str) -> PathBuf {
-    fresh_dir("ckpt-cli", name)
+fn temp_dir(name: &str) -> TempDir {
+    scratch_dir("ckpt-cli", name)
 }
 
 fn bfpp(args: &[&str]) -> Output {
@@ -56,12 +57,13 @@ fn stderr(out: &Output) -> String {
 
 #[test]
 fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
-    let dir = temp_dir("resume");
+    let scratch = temp_dir("resume");
+    let dir = scratch.path();
     let run = dir.join("run");
     let run_s = run.to_str().expect("utf-8");
     let mut first = P2_V2_D2_ZERO3.to_vec();
     first.extend(["--steps", "4", "--save", run_s, "--save-every", "2"]);
-    let full = json_of(&train(&dir, &first));
+    let full = json_of(&train(dir, &first));
     let full_losses = losses(&full);
     assert_eq!(full_losses.len(), 4);
     let step2 = run.join("step-00000002");
@@ -71,7 +73,7 @@ fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
     let step2_s = step2.to_str().expect("utf-8");
     let mut same = P2_V2_D2_ZERO3.to_vec();
     same.extend(["--steps", "4", "--resume", step2_s]);
-    let resumed = json_of(&train(&dir, &same));
+    let resumed = json_of(&train(dir, &same));
     let got = losses(&resumed);
     assert_eq!(got.len(), 2, "only steps 3 and 4 run");
     for (g, w) in got.iter().zip(&full_losses[2..]) {
@@ -110,7 +112,7 @@ fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
         "--resume",
         step2_s,
     ];
-    let moved = json_of(&train(&dir, &other));
+    let moved = json_of(&train(dir, &other));
     for (g, w) in losses(&moved).iter().zip(&full_losses[2..]) {
         assert!(
             rel(*g, *w) <= 1e-5,
@@ -165,30 +167,27 @@ fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
     // --init starts pipelined training from the exported weights: step 1 of a run from them
     // has a different loss than step 1 from the seeded initialisation.
     let record_s = record.to_str().expect("utf-8");
-    let init = json_of(&train(&dir, &["--steps", "1", "--init", record_s]));
-    let fresh = json_of(&train(&dir, &["--steps", "1"]));
+    let init = json_of(&train(dir, &["--steps", "1", "--init", record_s]));
+    let fresh = json_of(&train(dir, &["--steps", "1"]));
     assert!(
         losses(&init)[0] < losses(&fresh)[0] - 1e-3,
         "{init} vs {fresh}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn damaged_or_foreign_checkpoints_are_refused_and_nothing_is_overwritten() {
-    let dir = temp_dir("refuse");
+    let scratch = temp_dir("refuse");
+    let dir = scratch.path();
     let run = dir.join("run");
     let run_s = run.to_str().expect("utf-8");
-    json_of(&train(
-        &dir,
-        &["--pp", "2", "--steps", "1", "--save", run_s],
-    ));
+    json_of(&train(dir, &["--pp", "2", "--steps", "1", "--save", run_s]));
     let step1 = run.join("step-00000001");
     let rank1 = step1.join("rank-00001.bin");
     let good = std::fs::read(&rank1).expect("rank file");
 
     // Saving step 1 again into the same run directory: refused before training.
-    let out = train(&dir, &["--pp", "2", "--steps", "1", "--save", run_s]);
+    let out = train(dir, &["--pp", "2", "--steps", "1", "--save", run_s]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("step-00000001"), "{}", stderr(&out));
     assert_eq!(
@@ -198,7 +197,7 @@ fn damaged_or_foreign_checkpoints_are_refused_and_nothing_is_overwritten() {
     );
 
     // Another model.
-    let out = train(&dir, &["--steps", "2", "--layers", "2", "--resume", run_s]);
+    let out = train(dir, &["--steps", "2", "--layers", "2", "--resume", run_s]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(
@@ -210,25 +209,22 @@ fn damaged_or_foreign_checkpoints_are_refused_and_nothing_is_overwritten() {
     let mut bad = good.clone();
     bad[good.len() / 2] ^= 1;
     std::fs::write(&rank1, &bad).expect("write");
-    let out = train(&dir, &["--steps", "2", "--resume", run_s]);
+    let out = train(dir, &["--steps", "2", "--resume", run_s]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(
         err.contains("rank-00001.bin") && err.contains("corrupt"),
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_other_models() {
-    let dir = temp_dir("safetensors");
+    let scratch = temp_dir("safetensors");
+    let dir = scratch.path();
     let run = dir.join("run");
     let run_s = run.to_str().expect("utf-8");
-    json_of(&train(
-        &dir,
-        &["--pp", "2", "--steps", "2", "--save", run_s],
-    ));
+    json_of(&train(dir, &["--pp", "2", "--steps", "2", "--save", run_s]));
     let record = dir.join("weights.mpk");
     let tensors = dir.join("weights.safetensors");
     for file in [&record, &tensors] {
@@ -326,7 +322,7 @@ fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_ot
     // --init from either file runs the same training (a fresh start would differ).
     let init = |file: &Path| {
         json_of(&train(
-            &dir,
+            dir,
             &["--steps", "2", "--init", file.to_str().expect("utf-8")],
         ))
     };
@@ -352,7 +348,7 @@ fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_ot
                 .expect("writes");
         }
         let out = train(
-            &dir,
+            dir,
             &["--steps", "1", "--init", file.to_str().expect("utf-8")],
         );
         assert!(!out.status.success(), "{field}: accepted");
@@ -366,5 +362,4 @@ fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_ot
             "{err}"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

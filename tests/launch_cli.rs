@@ -7,13 +7,13 @@
 //! libopenmpi-dev`); without it `bfpp launch` fails with that hint and so do they.
 #![cfg(feature = "flex")]
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
+use tempfile::TempDir;
 
 mod common;
 use common::bounded::{output_within, outputs_within, LAUNCH_DEADLINE};
-use common::{fresh_dir, json_of, output_text, TINY};
+use common::{json_of, output_text, scratch_dir, TINY};
 
 /// With the TINY model: P=2 V=2 D=2 ZeRO-3 breadth-first, three steps.
 const RUN: &[&str] = &[
@@ -38,8 +38,8 @@ fn bfpp(
     launch: Option<(&str, usize)>,
     name: &str,
     env: &[(&str, &str)],
-) -> (Output, PathBuf, Duration) {
-    let dir = fresh_dir("launch-cli", name);
+) -> (Output, TempDir, Duration) {
+    let dir = scratch_dir("launch-cli", name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
     if let Some((via, n)) = launch {
         cmd.args(["launch", "--via", via, "--nproc", &n.to_string(), "--"]);
@@ -48,7 +48,7 @@ fn bfpp(
         .args(TINY)
         .args(RUN)
         .arg("--out-dir")
-        .arg(&dir)
+        .arg(dir.path())
         .env_remove("BFPP_FAULT_INJECT");
     if launch.is_none() {
         cmd.args(["--comm", "local"]);
@@ -71,7 +71,8 @@ fn four_processes_report_what_the_in_process_run_reports(via: &str) {
     }
     assert_eq!(m["losses"].as_array().map(Vec::len), Some(3));
     // Rank 0 wrote every rank's timeline.
-    let trace = std::fs::read_to_string(launched_dir.join("trace.json")).expect("trace.json");
+    let trace =
+        std::fs::read_to_string(launched_dir.path().join("trace.json")).expect("trace.json");
     for rank in 0..4 {
         assert!(
             trace.contains(&format!("rank {rank}")),
@@ -124,7 +125,7 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
     let port = burn_bfpp::comm::free_local_port()
         .expect("a free port")
         .to_string();
-    let dir = fresh_dir("launch-cli", "two-nodes");
+    let dir = scratch_dir("launch-cli", "two-nodes");
     // Two `bfpp launch` of two processes each, as on two machines: node 0 serves the store.
     let node = |rank: &str| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
@@ -134,7 +135,7 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
             .args(TINY)
             .args(RUN)
             .arg("--out-dir")
-            .arg(&dir)
+            .arg(dir.path())
             .env_remove("BFPP_FAULT_INJECT");
         cmd
     };
@@ -157,7 +158,7 @@ fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
 #[test]
 fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
     let port = burn_bfpp::comm::free_local_port().expect("a free port");
-    let dir = fresh_dir("launch-cli", "killed");
+    let dir = scratch_dir("launch-cli", "killed");
     // Rank 1 stalls at step 2 (as a hung or swapping process would), and is then killed.
     let mut ranks: Vec<_> = (0..4)
         .map(|rank| {
@@ -166,7 +167,7 @@ fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
                 .args(TINY)
                 .args(RUN)
                 .arg("--out-dir")
-                .arg(&dir)
+                .arg(dir.path())
                 .envs(burn_bfpp::comm::RendezvousEnv::on_this_machine(rank, 4, port).vars())
                 .env("BFPP_FAULT_INJECT", "rank=1,step=2,kind=sleep,secs=120")
                 .stdout(std::process::Stdio::piped())
@@ -218,8 +219,8 @@ fn comm_tcp_without_a_launcher_says_how_to_start_the_processes() {
 
 #[test]
 fn a_hung_launch_is_killed_at_its_deadline_with_what_it_printed() {
-    let dir = fresh_dir("launch-cli", "hung");
-    let pid_file = dir.join("background.pid");
+    let dir = scratch_dir("launch-cli", "hung");
+    let pid_file = dir.path().join("background.pid");
     // A launcher that leaves a process of its own behind and never ends, as a hung mpirun.
     let mut cmd = Command::new("bash");
     cmd.arg("-c")

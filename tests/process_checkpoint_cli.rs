@@ -7,15 +7,16 @@
 //! The MPI tests need `mpirun` on PATH (see tests/launch_cli.rs).
 #![cfg(feature = "flex")]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use burn_bfpp::checkpoint::{list_checkpoints, load};
 use serde_json::Value;
+use tempfile::TempDir;
 
 mod common;
 use common::bounded::{output_within, LAUNCH_DEADLINE};
-use common::{fresh_dir, json_of, losses, norm, output_text, rel, P2_V2_D2_ZERO3, TINY};
+use common::{json_of, losses, norm, output_text, rel, scratch_dir, P2_V2_D2_ZERO3, TINY};
 
 /// Another layout, run in one process: P=4 V=1 D=1 ZeRO-1.
 const OTHER_LAYOUT: &[&str] = &[
@@ -31,8 +32,8 @@ const OTHER_LAYOUT: &[&str] = &[
     "4",
 ];
 
-fn temp_dir(name: &str) -> PathBuf {
-    fresh_dir("process-ckpt", name)
+fn temp_dir(name: &str) -> TempDir {
+    scratch_dir("process-ckpt", name)
 }
 
 /// `bfpp [launch --via VIA --nproc 4 --] train --json TINY args`, with its own output
@@ -74,7 +75,8 @@ fn with<'a>(layout: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
 /// Processes started `via` save, resume exactly, and exchange checkpoints with in-process
 /// runs in another layout.
 fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts(via: &str) {
-    let dir = temp_dir(&format!("{via}-resume"));
+    let scratch = temp_dir(&format!("{via}-resume"));
+    let dir = scratch.path();
     let path = |name: &str| dir.join(name).to_str().expect("utf-8").to_string();
     let (process_run, local_run) = (path("process-run"), path("local-run"));
 
@@ -159,13 +161,13 @@ fn multi_process_checkpoints_resume_exactly_and_move_between_process_layouts(via
         &full,
         1e-5,
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Rank 3 of processes started `via` cannot write: all stop naming it, the previous
 /// checkpoint stays.
 fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays(via: &str) {
-    let dir = temp_dir(&format!("{via}-fail"));
+    let scratch = temp_dir(&format!("{via}-fail"));
+    let dir = scratch.path();
     let run = dir.join("run");
     // A directory where rank 3's step-2 file must go: only that rank's rename fails.
     let blocker = run.join("step-00000002.partial").join("rank-00003.bin");
@@ -202,7 +204,6 @@ fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays(via: &st
     let kept = list_checkpoints(&run).expect("run directory lists");
     assert_eq!(kept.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![1]);
     load(&run).expect("the step-1 checkpoint is intact");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -4,32 +4,41 @@
 //! Every run uses a tiny model (the `TINY` flags) so that each test takes seconds.
 #![cfg(feature = "flex")]
 
+use std::ops::Deref;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tempfile::TempDir;
 
 mod common;
-use common::{json_of, losses, TINY};
+use common::{json_of, losses, scratch_dir, TINY};
 
-/// A folder under the temporary directory, unique to this test process and `name`.
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bfpp-train-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir is writable");
-    dir
+/// A finished `bfpp train` run: its output and its `--out-dir`, which goes with the run.
+struct Run {
+    output: Output,
+    dir: TempDir,
+}
+
+impl Deref for Run {
+    type Target = Output;
+
+    fn deref(&self) -> &Output {
+        &self.output
+    }
 }
 
 /// Runs `bfpp train` with the tiny model, `args`, an output folder of its own and `env`.
 /// A short communication timeout, so that a rank waiting on a failed peer gives up quickly,
 /// unless `args` sets one.
-fn train(name: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+fn train(name: &str, args: &[&str], env: &[(&str, &str)]) -> Run {
     train_model(name, TINY, args, env)
 }
 
 /// [`train`] with the model flags `model` in place of [`TINY`].
-fn train_model(name: &str, model: &[&str], args: &[&str], env: &[(&str, &str)]) -> Output {
-    let out_dir = temp_dir(name);
+fn train_model(name: &str, model: &[&str], args: &[&str], env: &[(&str, &str)]) -> Run {
+    let dir = scratch_dir("train", name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
     cmd.arg("train")
         .args(model)
@@ -40,12 +49,13 @@ fn train_model(name: &str, model: &[&str], args: &[&str], env: &[(&str, &str)]) 
             &["--comm-timeout", "10"][..]
         })
         .arg("--out-dir")
-        .arg(&out_dir)
+        .arg(dir.path())
         .env_remove("BFPP_FAULT_INJECT");
     for (key, value) in env {
         cmd.env(key, value);
     }
-    cmd.output().expect("the bfpp binary runs")
+    let output = cmd.output().expect("the bfpp binary runs");
+    Run { output, dir }
 }
 
 fn stderr(out: &Output) -> String {
@@ -303,8 +313,8 @@ fn an_indivisible_global_batch_names_the_fix() {
 
 #[test]
 fn a_config_file_is_read_and_flags_override_it() {
-    let dir = temp_dir("config");
-    let file = dir.join("run.toml");
+    let dir = scratch_dir("train", "config");
+    let file = dir.path().join("run.toml");
     std::fs::write(
         &file,
         "[layout]\npp = 1\nloops = 1\ndp = 1\nmicrobatches = 2\nschedule = \"1f1b\"\nzero = 0\n\n\
@@ -322,8 +332,8 @@ fn a_config_file_is_read_and_flags_override_it() {
     // The file's layout took effect: one rank.
     assert_eq!(doc["peak_param_bytes"].as_array().map(Vec::len), Some(1));
 
-    std::fs::write(dir.join("typo.toml"), "[run]\nstesp = 5\n").expect("writable");
-    let typo = dir.join("typo.toml");
+    std::fs::write(dir.path().join("typo.toml"), "[run]\nstesp = 5\n").expect("writable");
+    let typo = dir.path().join("typo.toml");
     assert_fails(
         "config-typo",
         &["--config", typo.to_str().expect("UTF-8")],
@@ -332,9 +342,9 @@ fn a_config_file_is_read_and_flags_override_it() {
     );
 }
 
-/// The metrics file of the run `name` (see [`train`]).
-fn metrics_lines(name: &str) -> Vec<Value> {
-    std::fs::read_to_string(temp_dir(name).join("metrics.jsonl"))
+/// The metrics file of `run`.
+fn metrics_lines(run: &Run) -> Vec<Value> {
+    std::fs::read_to_string(run.dir.path().join("metrics.jsonl"))
         .expect("metrics written")
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
@@ -358,8 +368,8 @@ fn a_nan_step_stops_by_default_naming_the_step_and_the_rank() {
 
 #[test]
 fn a_nan_step_is_skipped_with_a_warning_under_the_skip_policy() {
-    let dir = temp_dir("nan-skip-config");
-    let file = dir.join("skip.toml");
+    let dir = scratch_dir("train", "nan-skip-config");
+    let file = dir.path().join("skip.toml");
     std::fs::write(&file, "[run]\non_nonfinite = \"skip\"\n").expect("writable");
     let file = file.to_str().expect("UTF-8");
     let args = [
@@ -385,7 +395,7 @@ fn a_nan_step_is_skipped_with_a_warning_under_the_skip_policy() {
         err.contains("warning: step 2") && err.contains("skipped"),
         "{err}"
     );
-    let skipped: Vec<bool> = metrics_lines("nan-skip")
+    let skipped: Vec<bool> = metrics_lines(&out)
         .iter()
         .map(|l| l["skipped"].as_bool().expect("skipped is a bool"))
         .collect();
@@ -423,8 +433,8 @@ fn a_rank_slower_than_the_timeout_stops_the_run_naming_it() {
 
 #[test]
 fn an_exhausted_dataset_wraps_to_the_next_epoch_and_says_so() {
-    let dir = temp_dir("wrap-data");
-    let corpus = dir.join("tiny.txt");
+    let dir = scratch_dir("train", "wrap-data");
+    let corpus = dir.path().join("tiny.txt");
     // 100 bytes: (100 - 1) / 8 = 12 samples per epoch; 8 samples per step, so the data
     // runs out during step 2 and epoch 2 begins there.
     let text: String = "the quick brown fox jumps over the lazy dog. "

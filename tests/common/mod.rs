@@ -5,10 +5,10 @@ pub mod bounded;
 
 pub use bounded::output_text;
 
-use std::path::PathBuf;
 use std::process::Output;
 
 use serde_json::Value;
+use tempfile::TempDir;
 
 /// Model flags of a 4-block (6-layer) GPT of width 16 on 8-token samples, two per
 /// micro-batch: small enough that every `bfpp train` run of a test takes seconds.
@@ -42,12 +42,15 @@ pub const P2_V2_D2_ZERO3: &[&str] = &[
     "2",
 ];
 
-/// An empty folder `bfpp-{prefix}-{pid}-{name}` under the system's temporary folder (emptied
-/// if an earlier run left it).
-pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bfpp-{prefix}-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+/// An empty folder of its own under the system's temporary folder, named
+/// `bfpp-{prefix}-{name}-` and a random suffix. It is removed when the guard drops, also when
+/// the test fails; set `BFPP_KEEP_TEST_DIRS` to keep it for a look afterwards.
+pub fn scratch_dir(prefix: &str, name: &str) -> TempDir {
+    let mut dir = tempfile::Builder::new()
+        .prefix(&format!("bfpp-{prefix}-{name}-"))
+        .tempdir()
+        .expect("the temporary folder is writable");
+    dir.disable_cleanup(std::env::var_os("BFPP_KEEP_TEST_DIRS").is_some());
     dir
 }
 

@@ -412,4 +412,5 @@ fn an_f16_run_resumes_with_its_loss_scale() {
         "{:?}",
         restarted.skipped_steps
     );
+    let _ = std::fs::remove_dir_all(&dir);
 }
