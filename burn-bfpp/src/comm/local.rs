@@ -92,9 +92,10 @@ impl<B: Backend> LocalComm<B> {
             .collect()
     }
 
-    /// Hands point-to-point tensors to ranks on other devices over as they are (after the
-    /// same device synchronisation as a same-device handoff): [`Communicator::recv`] then
-    /// returns them on the sender's device, and the caller moves them.
+    /// Hands point-to-point tensors to ranks on other devices over as they are (after
+    /// synchronising the sender's device, since the caller's copy reads outside CubeCL's
+    /// ordering): [`Communicator::recv`] then returns them on the sender's device, and the
+    /// caller moves them.
     #[cfg(feature = "cuda")]
     pub(crate) fn hand_over_across_devices(&mut self) {
         self.cross_device_handoff = true;
@@ -347,10 +348,13 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         let payload = if (same_device && self.config.same_device_handoff)
             || (!same_device && self.cross_device_handoff)
         {
-            // The producing work may still be queued on this thread (see the config's doc).
-            // A peer's copy across devices (`cuda_peer`) reads the memory outside CubeCL's
-            // stream ordering, so it needs the work done, not merely queued first.
-            B::sync(self.device()).map_err(|e| self.data_error(action, format!("{e:?}")))?;
+            // The producing work may still be queued on this thread. On the same device the
+            // receiver's copy (`adopt`) is a kernel that CubeCL orders after it (it submits
+            // this thread's queue first); a peer's copy across devices (`cuda_peer`) reads
+            // the memory outside CubeCL's ordering, so it needs the work done.
+            if !same_device {
+                B::sync(self.device()).map_err(|e| self.data_error(action, format!("{e:?}")))?;
+            }
             Payload::Handoff(Handoff::new(tensor))
         } else {
             let data = self.read(tensor, action)?;

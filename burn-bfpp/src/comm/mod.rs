@@ -181,12 +181,11 @@ pub struct CommConfig {
     /// of one process) are handed over as they are instead of through host memory. Default
     /// on: on a GPU shared by several pipeline stages this removes a device-to-host and a
     /// host-to-device copy per transfer. Burn tensors are immutable values, but CubeCL queues
-    /// work per thread: the sender synchronises its device before handing a tensor over,
-    /// because the work producing it may still be queued and the receiver's thread would not
-    /// wait for it; the receiver copies it into its own memory and synchronises once more,
-    /// because on wgpu the sender may otherwise reuse the memory while the receiver's reads
-    /// are still queued (see `LocalComm`'s `recv`). Off only to exercise the host path on one
-    /// device (tests).
+    /// work per thread: the receiver copies a handed-over tensor into its own memory (a
+    /// kernel, which CubeCL orders after the sender's queued work) and synchronises before it
+    /// lets the original go, because on wgpu the sender may otherwise reuse the memory while
+    /// the receiver's reads are still queued (see `LocalComm`'s `recv`). Off only to exercise
+    /// the host path on one device (tests).
     pub same_device_handoff: bool,
     /// Whether [`Communicator::start`] returns as soon as this rank's part is posted, so the
     /// rank computes while its peers catch up and their parts travel, and waits only in
