@@ -11,8 +11,9 @@
 #                                   PyTorch at sequence 2048, head dim 128, bf16 (and the
 #                                   measured peak memory of the fused cross-entropy), the
 #                                   attention tile kernels under each cube shape of ATTN_TILES
-#                                   (planes x streamed 16-row fragments; default below), and
-#                                   the ratio table last.
+#                                   (planes x streamed 16-row fragments; default below) with
+#                                   their accumulators in each place of ATTN_ACC (default
+#                                   registers,shared), and the ratio table last.
 #
 # On a machine without an NVIDIA GPU, `run` performs every step that does not need one
 # (binaries present, Python and PyTorch importable) and then stops with exit status 2 and a
@@ -97,6 +98,7 @@ rm -f "$OUT/kernels.json"
 # streamed tiles widened; the rest are the candidates for the launchers' preference.
 timeout "${BENCH_S:-200}" "$OUT/kernel_bench" --json "$OUT/kernels.json" \
     --attn-tiles "${ATTN_TILES:-2x1,4x1,2x2,4x2,2x4,4x4}" \
+    --attn-acc "${ATTN_ACC:-registers,shared}" \
     || failures+=("kernel_bench (exit status $?; 124 = out of time)")
 [[ -f "$OUT/kernels.json" ]] || {
     report_failures "no $OUT/kernels.json, so no ratio table"
@@ -161,7 +163,8 @@ if shapes:
           f"dK/dV {shapes['dkdv']} | - | - | - | - | - | - |")
 for row in o.get("tile_sweep", []):
     k = row["kernels"]
-    print(f"| attention tiles {row['shape']} (fwd {k['forward']}, dQ {k['dq']}, dK/dV {k['dkdv']}): "
+    print(f"| attention tiles {row['shape']}, accumulators in {row.get('accumulators', 'shared')} "
+          f"(fwd {k['forward']}, dQ {k['dq']}, dK/dV {k['dkdv']}): "
           f"fwd / fwd+bwd | {torch_attn_fwd:.3f} / {torch_attn:.3f} | - | {row['fwd']:.3f} / {row['fwd_bwd']:.3f} | "
           f"{torch_attn_fwd / row['fwd']:.2f}x / {torch_attn / row['fwd_bwd']:.2f}x | - | - |")
 o = ours["mlp_fwd_bwd_ms"]

@@ -13,8 +13,8 @@ use common::{
 };
 use cubecl::cuda::CudaRuntime;
 use cubecl_kernels::cube::{
-    attention_tile_shapes, attention_uses_tensor_cores, set_attention_tiles, tiled_launches,
-    TileShape,
+    attention_tile_shapes, attention_uses_tensor_cores, set_attention_accumulators,
+    set_attention_tiles, tiled_launches, AccumulatorPlace, TileShape,
 };
 
 /// f32 tolerance against the float64 oracle, for every op. The fused linear + GELU and linear
@@ -114,7 +114,8 @@ fn cuda_attention_and_linear_ce_half_types_match_f64_oracle() {
     }
 }
 
-/// Every cube shape `gpu-check.sh` times, forced one at a time in bf16 on tensor cores, at
+/// Every cube shape `gpu-check.sh` times, forced one at a time in bf16 on tensor cores with
+/// the accumulators in each place (fragments for the whole loop, and shared memory), at
 /// head dims 128 and 64 and lengths that are not multiples of any streamed tile: what a
 /// shape the launchers may prefer computes must be right before its speed matters. The CPU
 /// counterpart (products on the lanes, shapes that fit lavapipe) is `wgpu_tiles`.
@@ -123,14 +124,20 @@ fn cuda_attention_and_linear_ce_half_types_match_f64_oracle() {
 fn cuda_attention_tile_shapes_match_f64_oracle() {
     let dev = device();
     let mut rng = Rng::fresh("cuda attention tile shapes");
-    for (planes, frags) in [(2, 1), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4)] {
+    let shapes = [(2, 1), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4)];
+    let places = [AccumulatorPlace::Registers, AccumulatorPlace::Shared];
+    for ((planes, frags), place) in shapes
+        .into_iter()
+        .flat_map(|shape| places.map(|place| (shape, place)))
+    {
         let forced = TileShape::new(planes, frags).expect("valid shape");
         set_attention_tiles(Some(forced));
+        set_attention_accumulators(place);
         for (shape, causal, masked) in [
             ([1, 2, 150, 150, 128], true, true),
             ([1, 1, 77, 131, 64], false, true),
         ] {
-            let label = format!("{planes}x{frags} {shape:?}");
+            let label = format!("{planes}x{frags} {place:?} {shape:?}");
             let fits = attention_tile_shapes::<CudaRuntime>(&dev, DType::BF16, shape[4]);
             let before = tiled_launches();
             let mut c = attn_case(&mut rng, shape, causal, masked);
@@ -154,4 +161,5 @@ fn cuda_attention_tile_shapes_match_f64_oracle() {
         }
     }
     set_attention_tiles(None);
+    set_attention_accumulators(AccumulatorPlace::default());
 }

@@ -21,8 +21,9 @@ use common::{
     Rng,
 };
 use cubecl_kernels::cube::{
-    attention_tile_shapes, attention_uses_tensor_cores, set_attention_kernel, set_attention_tiles,
-    set_f32_matmul, tiled_launches, unit_matmul_launches, AttentionKernel, F32Matmul, TileShape,
+    attention_accumulators, attention_tile_shapes, attention_uses_tensor_cores,
+    set_attention_accumulators, set_attention_kernel, set_attention_tiles, set_f32_matmul,
+    tiled_launches, unit_matmul_launches, AccumulatorPlace, AttentionKernel, F32Matmul, TileShape,
 };
 
 #[test]
@@ -35,8 +36,11 @@ fn tiled_attention_matches_f64_oracle() {
         DType::F16,
         64
     ));
-    // ...and the forced tile kernel computes its products with the lanes there.
+    // ...and the forced tile kernel computes its products with the lanes there, its
+    // accumulators in the lanes' registers by default (the forced shapes below also run the
+    // shared-memory place).
     set_attention_kernel(AttentionKernel::Tiles);
+    assert_eq!(attention_accumulators(), AccumulatorPlace::Registers);
     assert!(
         !attention_uses_tensor_cores::<WgpuRuntime>(&dev, DType::F16, 64),
         "lavapipe reports tensor cores: this test would not exercise the lane-computed products"
@@ -95,8 +99,9 @@ fn tiled_attention_matches_f64_oracle() {
     // partial streamed tiles, causal cut-offs inside a tile and masked keys all occur).
     // lavapipe's 32 KiB hold these only at small head dimensions, and the larger ones only
     // in f16; the shapes Hopper takes (4×32 and 2×32 rows at head dim 128) do not fit here,
-    // but differ from these only in their comptime sizes. In this same test because the
-    // choice is process-wide.
+    // but differ from these only in their comptime sizes. Every other shape keeps its
+    // accumulators in shared memory instead of registers, so both places run both dtypes.
+    // In this same test because the choices are process-wide.
     let mut shaped = vec![
         (DType::F32, (1, 2), [1, 2, 70, 50, 16], true, true),
         (DType::F32, (2, 1), [2, 1, 33, 97, 16], false, true),
@@ -109,10 +114,16 @@ fn tiled_attention_matches_f64_oracle() {
         shaped.push((DType::F16, (3, 1), [1, 1, 100, 100, 16], true, false));
         shaped.push((DType::F16, (1, 4), [1, 2, 81, 130, 32], false, true));
     }
-    for (dtype, (planes, frags), shape, causal, masked) in shaped {
+    for (i, (dtype, (planes, frags), shape, causal, masked)) in shaped.into_iter().enumerate() {
         let forced = TileShape::new(planes, frags).expect("valid shape");
         set_attention_tiles(Some(forced));
-        let label = format!("{dtype:?} {shape:?} forced {planes}×{frags}");
+        let place = if i % 2 == 0 {
+            AccumulatorPlace::Registers
+        } else {
+            AccumulatorPlace::Shared
+        };
+        set_attention_accumulators(place);
+        let label = format!("{dtype:?} {shape:?} forced {planes}×{frags}, {place:?}");
         assert_eq!(
             attention_tile_shapes::<WgpuRuntime>(&dev, dtype, shape[4]),
             [Some(forced); 3],
@@ -130,6 +141,7 @@ fn tiled_attention_matches_f64_oracle() {
         );
     }
     set_attention_tiles(None);
+    set_attention_accumulators(AccumulatorPlace::default());
 }
 
 #[test]

@@ -25,7 +25,8 @@
 //! ```
 //!
 //! `--attn-tiles PxF,…` also times the attention tile kernels under each forced cube shape
-//! (`P` planes, streamed tiles of `F` 16-row fragments; [`bench::tile_sweep`]), and
+//! (`P` planes, streamed tiles of `F` 16-row fragments; [`bench::tile_sweep`]), with the
+//! accumulators in each place `--attn-acc registers,shared` names (default: registers), and
 //! `--attn-only` skips the MLP, the cross-entropy and the memory measurements.
 //!
 //! The last one measures the cross-entropy memory at the production shape on the CPU Vulkan
@@ -373,7 +374,7 @@ mod bench {
             println!(
                 "kernel_bench [--small] [--attn-shape B,H,S,D] [--mlp-shape N,DIN,DOUT] \
                  [--ce-shape N,HIDDEN,VOCAB] [--reps N] [--memory-only] [--attn-only] \
-                 [--attn-tiles PxF,...] [--json PATH]: the fused kernels against Burn's path on {}",
+                 [--attn-tiles PxF,...] [--attn-acc registers,shared] [--json PATH]: the fused kernels against Burn's path on {}",
                 dev::NAME
             );
             return;
@@ -405,6 +406,13 @@ mod bench {
                 std::process::exit(2);
             }),
             None => Vec::new(),
+        };
+        let tile_places = match value_of("--attn-acc") {
+            Some(text) => tile_sweep::parse_places(&text).unwrap_or_else(|e| {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }),
+            None => vec![Default::default()],
         };
         let attn_only = args.iter().any(|a| a == "--attn-only");
         let shapes = &shapes;
@@ -479,8 +487,14 @@ mod bench {
         let attn_inputs = op_inputs(Op::Attention, &device, shapes, half);
         attn_kernels["default_tile_shapes"] =
             tile_sweep::shapes_json(&device, half, shapes.attn[3]);
-        attn_kernels["tile_sweep"] =
-            tile_sweep::sweep(&device, &attn_inputs, shapes.reps, &tile_shapes, half);
+        attn_kernels["tile_sweep"] = tile_sweep::sweep(
+            &device,
+            &attn_inputs,
+            shapes.reps,
+            &tile_shapes,
+            &tile_places,
+            half,
+        );
         if attn_only {
             let json = serde_json::json!({
                 "backend": dev::NAME,

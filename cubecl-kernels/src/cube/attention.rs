@@ -17,7 +17,8 @@ use super::flash_fwd::flash_fwd_kernel;
 use super::flash_fwd_tiles::{flash_fwd_tiles_kernel, shared_bytes};
 use super::tiles::FRAG;
 use super::{
-    attention_kernel, attention_tiles, output, AttentionKernel, TileShape, TILED_LAUNCHES,
+    attention_accumulators, attention_kernel, attention_tiles, output, AccumulatorPlace,
+    AttentionKernel, TileShape, TILED_LAUNCHES,
 };
 
 /// Query rows per cube (one thread each).
@@ -89,6 +90,9 @@ pub(crate) struct TilePlan {
     /// Whether a plane's own data is ordered with a warp barrier instead of a cube barrier
     /// (CUDA only; see [`super::tiles::sync_plane_data`]).
     pub(crate) warp_sync: bool,
+    /// Whether the accumulator blocks stay in registers between streamed tiles
+    /// ([`AccumulatorPlace::Registers`]) rather than in shared memory.
+    pub(crate) acc_in_regs: bool,
 }
 
 impl TilePlan {
@@ -138,7 +142,7 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
 ) -> Option<TilePlan> {
     let props = client.properties();
     let hw = &props.hardware;
-    plan_tiles(
+    let plan = plan_tiles(
         attention_kernel(),
         attention_tiles(),
         has_tile_fragments(props.features.matmul.cmma.iter(), dtype),
@@ -148,7 +152,11 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
         kernel,
         dtype,
         head_dim,
-    )
+    )?;
+    Some(TilePlan {
+        acc_in_regs: attention_accumulators() == AccumulatorPlace::Registers,
+        ..plan
+    })
 }
 
 /// Whether all three tile kernels (forward, dQ, dK/dV) run on tensor cores under `plan`
@@ -210,6 +218,7 @@ pub(crate) fn plan_tiles(
         plane_dim: if has_cmma { plane_dim } else { EMULATED_PLANE },
         use_cmma: has_cmma,
         warp_sync: cuda,
+        acc_in_regs: AccumulatorPlace::default() == AccumulatorPlace::Registers,
     })
 }
 
@@ -275,6 +284,7 @@ where
             has_mask,
             plan.use_cmma,
             plan.warp_sync,
+            plan.acc_in_regs,
             dtype.into(),
         );
         return (out, lse);
@@ -372,6 +382,7 @@ where
             has_mask,
             plan.use_cmma,
             plan.warp_sync,
+            plan.acc_in_regs,
             dtype.into(),
         );
     } else {
@@ -426,6 +437,7 @@ where
             has_mask,
             plan.use_cmma,
             plan.warp_sync,
+            plan.acc_in_regs,
             dtype.into(),
         );
     } else {

@@ -6,17 +6,19 @@
 //! The streamed tiles are `stream_frags × 16` rows wide. Per tile a plane recomputes its
 //! scores and `dP = dO·Vᵀ` as 16×16 fragment products, forms `P = exp(scale·S − lse)` and
 //! `dS = P ∘ (dP − Δ)` with its lanes (rounded to the input type, as the products' operands),
-//! and accumulates `dQ += dS·K`, or `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, into f32 blocks in shared
-//! memory, the whole tile as the inner dimension of one product per 16 output columns. With
+//! and accumulates `dQ += dS·K`, or `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, into f32 blocks, the
+//! whole tile as the inner dimension of one product per 16 output columns. The blocks stay in
+//! accumulator fragments for the whole loop by default, else in shared memory (see
+//! [`super::row_acc`]); no rescale is needed here, so they reach shared memory once. With
 //! `use_cmma = false` the products are computed by the lanes from the same operands (see
 //! [`super::tiles`]).
 
 use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
+use super::row_acc::{row_block_acc_add, row_block_acc_to_shared, row_block_acc_zeroed};
 use super::tiles::{
-    accumulate_block_times_rows, rows_dot_rows, stage_rows_unrolled, stage_values, sync_plane_data,
-    ALIGN, FRAG, ROW_PAD,
+    rows_dot_rows, stage_rows_unrolled, stage_values, sync_plane_data, ALIGN, FRAG, ROW_PAD,
 };
 
 /// Shared memory the dQ kernel declares, in bytes, for `planes` planes and key tiles of
@@ -76,6 +78,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     #[comptime] has_mask: bool,
     #[comptime] use_cmma: bool,
     #[comptime] warp_sync: bool,
+    #[comptime] acc_in_regs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let seq_q = seq_q as usize;
@@ -115,11 +118,15 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     );
     stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
     stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, block_q, threads);
-    let mut e = lane;
-    while e < FRAG * hp {
-        dq_s[own + e] = 0.0f32;
-        e += plane_dim;
-    }
+    let mut dq_acc = row_block_acc_zeroed(
+        &mut dq_s,
+        own,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
     sync_cube();
 
     let mut kv_end = seq_k;
@@ -192,7 +199,8 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
         sync_plane_data(warp_sync);
         // dQ += dS·K, one 16-column block of the head dimension at a time, the tile's keys
         // as the inner dimension.
-        accumulate_block_times_rows::<F>(
+        row_block_acc_add::<F>(
+            &mut dq_acc,
             &ds_s,
             blk,
             kvp,
@@ -204,11 +212,23 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
             hp,
             plane_dim,
             use_cmma,
+            acc_in_regs,
         );
         // The next tile overwrites k_s / v_s / s_s / dp_s / ds_s.
         sync_cube();
     }
 
+    row_block_acc_to_shared(
+        &dq_acc,
+        &mut dq_s,
+        own,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
+    sync_plane_data(warp_sync);
     let mut e = lane;
     while e < FRAG * head_dim {
         let row = q0 + plane * FRAG + e / head_dim;
@@ -247,6 +267,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     #[comptime] has_mask: bool,
     #[comptime] use_cmma: bool,
     #[comptime] warp_sync: bool,
+    #[comptime] acc_in_regs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let seq_q = seq_q as usize;
@@ -286,12 +307,24 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     stage_rows_unrolled::<F, F>(
         v, &mut v_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, hp, threads,
     );
-    let mut e = lane;
-    while e < FRAG * hp {
-        dk_s[own + e] = 0.0f32;
-        dv_s[own + e] = 0.0f32;
-        e += plane_dim;
-    }
+    let mut dk_acc = row_block_acc_zeroed(
+        &mut dk_s,
+        own,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
+    let mut dv_acc = row_block_acc_zeroed(
+        &mut dv_s,
+        own,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
 
     // Causal: a query row before the cube's first key sees none of its keys, so the query
     // tiles start at the one holding row `k0` (uniform across the cube).
@@ -361,7 +394,8 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         sync_plane_data(warp_sync);
         // dV += Pᵀ·dO and dK += dSᵀ·Q, one 16-column block of the head dimension at a time,
         // the tile's queries as the inner dimension.
-        accumulate_block_times_rows::<F>(
+        row_block_acc_add::<F>(
+            &mut dv_acc,
             &p_s,
             blk,
             qp,
@@ -373,8 +407,10 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             hp,
             plane_dim,
             use_cmma,
+            acc_in_regs,
         );
-        accumulate_block_times_rows::<F>(
+        row_block_acc_add::<F>(
+            &mut dk_acc,
             &ds_s,
             blk,
             qp,
@@ -386,10 +422,32 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             hp,
             plane_dim,
             use_cmma,
+            acc_in_regs,
         );
         sync_cube();
     }
 
+    row_block_acc_to_shared(
+        &dk_acc,
+        &mut dk_s,
+        own,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
+    row_block_acc_to_shared(
+        &dv_acc,
+        &mut dv_s,
+        own,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
+    sync_plane_data(warp_sync);
     let mut e = lane;
     while e < FRAG * head_dim {
         let key = k0 + plane * FRAG + e / head_dim;

@@ -4,12 +4,13 @@
 //! One cube per (query tile, batch·head); each plane (warp) of the cube owns 16 query rows.
 //! Keys and values stream through shared memory in tiles of `kv_frags × 16` keys. Per tile the
 //! plane computes its scores `S = Q·Kᵀ` as 16×16 matrix products, runs the online softmax on
-//! them row by row, and adds `P·V` to its output block. The output block lives in shared
-//! memory as f32 rather than in accumulator fragments, because the online softmax must
-//! rescale it row by row, which fragments (opaque layouts) cannot do; that rescale happens
-//! only when a row's max rises past a threshold (see `RESCALE_THRESHOLD`); each `P·V` product
-//! loads the block as its accumulator, adds the whole tile's keys, and stores it back, so a
-//! wider key tile means fewer of these round trips and fewer barriers per key.
+//! them row by row, and adds `P·V` to its output block. The online softmax must rescale that
+//! block row by row, which accumulator fragments (opaque layouts) cannot do in place, but
+//! only when a row's max rises past a threshold (see `RESCALE_THRESHOLD`), which after the
+//! first tiles is rare. So by default the block stays in accumulator fragments for the whole
+//! loop and goes through shared memory only for a rescale and at the end
+//! ([`super::AccumulatorPlace`], [`super::row_acc`]); in the other place each `P·V` product
+//! loads it from shared memory, adds the tile's keys and stores it back.
 //! Memory is `O(seq · head_dim)`: no `[seq_q × seq_k]` buffer exists anywhere.
 //!
 //! With `use_cmma = false` the two fragment products are computed by the plane's lanes from
@@ -20,10 +21,10 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
-use super::tiles::{
-    accumulate_block_times_rows, rows_dot_rows, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG,
-    ROW_PAD,
+use super::row_acc::{
+    row_block_acc_add, row_block_acc_from_shared, row_block_acc_to_shared, row_block_acc_zeroed,
 };
+use super::tiles::{rows_dot_rows, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG, ROW_PAD};
 
 /// How far (in units of the scaled scores) a row's scores may rise above the max its
 /// probabilities are taken against before that reference moves and the output block is
@@ -86,6 +87,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     #[comptime] has_mask: bool,
     #[comptime] use_cmma: bool,
     #[comptime] warp_sync: bool,
+    #[comptime] acc_in_regs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let seq_q = seq_q as usize;
@@ -134,11 +136,15 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, hp, threads,
     );
     let o_off = plane * FRAG * hp;
-    let mut e = lane;
-    while e < FRAG * hp {
-        o_s[o_off + e] = 0.0f32;
-        e += plane_dim;
-    }
+    let mut acc = row_block_acc_zeroed(
+        &mut o_s,
+        o_off,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
     // Every lane of a row keeps the row's running max and sum (the same values).
     let mut m = Array::<f32>::new(rows_per_lane);
     let mut l = Array::<f32>::new(rows_per_lane);
@@ -263,15 +269,31 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         }
         sync_plane_data(warp_sync);
 
-        // Rescale the output block by each row's correction, then O += P·V, one 16-column
-        // block of the output at a time with the block itself as the accumulator and the
-        // tile's keys as the inner dimension.
-        // Skipped (by the whole plane alike) when no row's reference max moved.
+        // Rescale the output block by each row's correction, then O += P·V with the tile's
+        // keys as the inner dimension. The rescale is skipped (by the whole plane alike) when
+        // no row's reference max moved; it works on the block in shared memory, so a block
+        // kept in registers goes there and back. The barriers stay outside the branches: on
+        // devices without warp barriers they are cube barriers, which every plane must reach.
         let mut moved = false;
         for r in 0..FRAG {
             if row_s[plane * FRAG + r] != 1.0f32 {
                 moved = true;
             }
+        }
+        if acc_in_regs {
+            if moved {
+                row_block_acc_to_shared(
+                    &acc,
+                    &mut o_s,
+                    o_off,
+                    hp,
+                    head_dim,
+                    plane_dim,
+                    use_cmma,
+                    acc_in_regs,
+                );
+            }
+            sync_plane_data(warp_sync);
         }
         if moved {
             let mut e = lane;
@@ -282,15 +304,51 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
             }
         }
         sync_plane_data(warp_sync);
-        accumulate_block_times_rows::<F>(
-            &p_s, s_off, kvp, &v_s, &mut o_s, o_off, kv_frags, head_dim, hp, plane_dim, use_cmma,
+        // Back into the fragments (a no-op for a block that lives in shared memory).
+        if moved {
+            row_block_acc_from_shared(
+                &mut acc,
+                &o_s,
+                o_off,
+                hp,
+                head_dim,
+                plane_dim,
+                use_cmma,
+                acc_in_regs,
+            );
+        }
+        row_block_acc_add::<F>(
+            &mut acc,
+            &p_s,
+            s_off,
+            kvp,
+            &v_s,
+            &mut o_s,
+            o_off,
+            kv_frags,
+            head_dim,
+            hp,
+            plane_dim,
+            use_cmma,
+            acc_in_regs,
         );
         // The next tile overwrites k_s / v_s / s_s / p_s: every plane must be done with them.
         sync_cube();
     }
 
-    // Each row's 1/l (0 for a row that saw no key, which outputs 0 with the sentinel
-    // log-sum-exp, as the portable kernel does), then the output in the input dtype.
+    // The output block to shared memory; each row's 1/l (0 for a row that saw no key, which
+    // outputs 0 with the sentinel log-sum-exp, as the portable kernel does); then the output
+    // in the input dtype.
+    row_block_acc_to_shared(
+        &acc,
+        &mut o_s,
+        o_off,
+        hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        acc_in_regs,
+    );
     for i in 0..rows_per_lane {
         let r = row_in + i * plane_dim;
         if r < FRAG && part == 0 {

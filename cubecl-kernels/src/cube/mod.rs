@@ -20,6 +20,7 @@ mod linear_ce;
 mod linear_gelu;
 mod matmul;
 mod mlp;
+mod row_acc;
 mod tiles;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -110,6 +111,41 @@ impl TileShape {
             planes,
             stream_frags,
         })
+    }
+}
+
+/// Where the tile attention kernels keep each plane's f32 accumulator blocks (the forward's
+/// output, dQ, dK and dV) between streamed tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AccumulatorPlace {
+    /// In accumulator fragments (tensor cores) or the lanes' registers (elsewhere) for the
+    /// whole loop, written to shared memory only for the forward's rare rescale and at the
+    /// end. The default.
+    #[default]
+    Registers,
+    /// In shared memory, loaded into fragments and stored back by every tile's product:
+    /// fewer registers per thread, more shared-memory traffic. Kept to compare against on a
+    /// GPU (`kernel_bench --attn-acc`).
+    Shared,
+}
+
+static ACCUMULATOR_PLACE: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses where the tile attention kernels keep their accumulators for the whole process
+/// (default [`AccumulatorPlace::Registers`]); for tests and for benchmarks.
+pub fn set_attention_accumulators(place: AccumulatorPlace) {
+    let code = match place {
+        AccumulatorPlace::Registers => 0,
+        AccumulatorPlace::Shared => 1,
+    };
+    ACCUMULATOR_PLACE.store(code, Ordering::SeqCst);
+}
+
+/// The current [`set_attention_accumulators`] choice.
+pub fn attention_accumulators() -> AccumulatorPlace {
+    match ACCUMULATOR_PLACE.load(Ordering::SeqCst) {
+        1 => AccumulatorPlace::Shared,
+        _ => AccumulatorPlace::Registers,
     }
 }
 

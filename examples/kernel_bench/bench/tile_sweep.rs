@@ -1,11 +1,12 @@
-//! `--attn-tiles`: the attention tile kernels timed under each forced cube shape, so that a
-//! GPU run shows which shape each kernel should default to (the launchers' preference is not
-//! yet tuned on a GPU).
+//! `--attn-tiles`: the attention tile kernels timed under each forced cube shape (and, with
+//! `--attn-acc`, each place of their accumulators), so that a GPU run shows which shape and
+//! place each kernel should default to (neither is tuned on a GPU yet).
 
 use burn::tensor::DType;
 use cubecl_kernels::cube::{
-    attention_kernel, attention_tile_shapes, attention_uses_tensor_cores, set_attention_kernel,
-    set_attention_tiles, AttentionKernel, TileShape,
+    attention_accumulators, attention_kernel, attention_tile_shapes, attention_uses_tensor_cores,
+    set_attention_accumulators, set_attention_kernel, set_attention_tiles, AccumulatorPlace,
+    AttentionKernel, TileShape,
 };
 
 use super::dev::R;
@@ -29,6 +30,28 @@ pub(crate) fn parse_shapes(text: &str) -> Result<Vec<TileShape>, String> {
         .collect()
 }
 
+/// `registers,shared` (either or both): where the swept kernels keep their accumulators.
+pub(crate) fn parse_places(text: &str) -> Result<Vec<AccumulatorPlace>, String> {
+    text.split(',')
+        .map(|item| match item.trim() {
+            "registers" => Ok(AccumulatorPlace::Registers),
+            "shared" => Ok(AccumulatorPlace::Shared),
+            other => Err(format!(
+                "--attn-acc: `{other}` is not a place of the accumulators; give `registers`, \
+                 `shared` or `registers,shared`"
+            )),
+        })
+        .collect()
+}
+
+/// The place's name as `--attn-acc` spells it.
+fn place_label(place: AccumulatorPlace) -> &'static str {
+    match place {
+        AccumulatorPlace::Registers => "registers",
+        AccumulatorPlace::Shared => "shared",
+    }
+}
+
 /// `PxF` of a shape, or `portable` for a kernel that runs the portable kernel.
 fn label(shape: Option<TileShape>) -> String {
     shape.map_or("portable".into(), |s| {
@@ -43,7 +66,7 @@ pub(crate) fn shapes_json(device: &Device, dtype: DType, head_dim: usize) -> ser
 }
 
 /// Forward and forward + backward times (ms) of causal attention on `inputs` under each of
-/// `shapes`. On a device without tensor cores the tile kernels are forced (their products
+/// `shapes` with the accumulators in each of `places`. On a device without tensor cores the tile kernels are forced (their products
 /// then run on the lanes), so the sweep runs on the CPU adapter too. A kernel whose shared
 /// memory a shape exceeds runs the portable kernel, which the row's `kernels` names.
 pub(crate) fn sweep(
@@ -51,6 +74,7 @@ pub(crate) fn sweep(
     inputs: &OpInputs,
     reps: usize,
     shapes: &[TileShape],
+    places: &[AccumulatorPlace],
     dtype: DType,
 ) -> serde_json::Value {
     let OpInputs::Attention([q, k, v]) = inputs else {
@@ -58,6 +82,7 @@ pub(crate) fn sweep(
     };
     let head_dim = q.dims()[3];
     let previous = attention_kernel();
+    let previous_place = attention_accumulators();
     if !attention_uses_tensor_cores::<R>(device, dtype, head_dim) {
         set_attention_kernel(AttentionKernel::Tiles);
     }
@@ -67,26 +92,32 @@ pub(crate) fn sweep(
     };
     let mut rows = Vec::new();
     for &shape in shapes {
-        set_attention_tiles(Some(shape));
-        let kernels = shapes_json(device, dtype, head_dim);
-        let fwd = time_ms(device, reps, forward);
-        let both = time_ms(device, reps, || fwd_bwd(inputs, true));
-        eprintln!(
-            "attention tiles {}: fwd {fwd:.3} ms, fwd+bwd {both:.3} ms (forward {}, dQ {}, \
-             dK/dV {})",
-            label(Some(shape)),
-            kernels["forward"],
-            kernels["dq"],
-            kernels["dkdv"],
-        );
-        rows.push(serde_json::json!({
-            "shape": label(Some(shape)),
-            "fwd": fwd,
-            "fwd_bwd": both,
-            "kernels": kernels,
-        }));
+        for &place in places {
+            set_attention_tiles(Some(shape));
+            set_attention_accumulators(place);
+            let kernels = shapes_json(device, dtype, head_dim);
+            let fwd = time_ms(device, reps, forward);
+            let both = time_ms(device, reps, || fwd_bwd(inputs, true));
+            eprintln!(
+                "attention tiles {}, accumulators in {}: fwd {fwd:.3} ms, fwd+bwd {both:.3} ms \
+                 (forward {}, dQ {}, dK/dV {})",
+                label(Some(shape)),
+                place_label(place),
+                kernels["forward"],
+                kernels["dq"],
+                kernels["dkdv"],
+            );
+            rows.push(serde_json::json!({
+                "shape": label(Some(shape)),
+                "accumulators": place_label(place),
+                "fwd": fwd,
+                "fwd_bwd": both,
+                "kernels": kernels,
+            }));
+        }
     }
     set_attention_tiles(None);
+    set_attention_accumulators(previous_place);
     set_attention_kernel(previous);
     serde_json::Value::Array(rows)
 }

@@ -107,6 +107,7 @@ impl<R: Runtime> Generator<'_, R> {
             plane_dim,
             use_cmma,
             warp_sync,
+            acc_in_regs,
         } = plan;
         let settings = Self::settings(plan.cube_dim());
         let client = self.client.clone();
@@ -115,7 +116,7 @@ impl<R: Runtime> Generator<'_, R> {
             kernel,
             &format!(
                 "tiles, {planes} planes × {stream_frags} streamed, cmma {use_cmma}, warp sync \
-                 {warp_sync}"
+                 {warp_sync}, accumulators in registers {acc_in_regs}"
             ),
         );
         let planned = Some(tile_shared_bytes(
@@ -150,6 +151,7 @@ impl<R: Runtime> Generator<'_, R> {
                     m,
                     use_cmma,
                     warp_sync,
+                    acc_in_regs,
                     dtype,
                 ),
                 planned,
@@ -180,6 +182,7 @@ impl<R: Runtime> Generator<'_, R> {
                     m,
                     use_cmma,
                     warp_sync,
+                    acc_in_regs,
                     dtype,
                 ),
                 planned,
@@ -211,6 +214,7 @@ impl<R: Runtime> Generator<'_, R> {
                     m,
                     use_cmma,
                     warp_sync,
+                    acc_in_regs,
                     dtype,
                 ),
                 planned,
