@@ -94,10 +94,11 @@ done
 
 step "fused kernels against Burn's CUDA path (bf16; cross-entropy f32), time and measured peak memory"
 rm -f "$OUT/kernels.json"
-# The tile shapes to time beside the default: 2x1 is the forward's shape before the
-# streamed tiles widened; the rest are the candidates for the launchers' preference.
+# The tile shapes to time beside the default (the candidates for the launchers'
+# preference), each with the accumulators in fragments and in shared memory (the place
+# before 2026-12-05): 10 configurations, each compiled by NVRTC on first use.
 timeout "${BENCH_S:-200}" "$OUT/kernel_bench" --json "$OUT/kernels.json" \
-    --attn-tiles "${ATTN_TILES:-2x1,4x1,2x2,4x2,2x4,4x4}" \
+    --attn-tiles "${ATTN_TILES:-4x1,2x2,4x2,2x4,4x4}" \
     --attn-acc "${ATTN_ACC:-registers,shared}" \
     || failures+=("kernel_bench (exit status $?; 124 = out of time)")
 [[ -f "$OUT/kernels.json" ]] || {

@@ -1,0 +1,111 @@
+//! Unit tests of the tile kernels' planning: cube shapes against shared-memory budgets and
+//! the preference list.
+
+use super::*;
+
+const KERNELS: [TileKernel; 3] = [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv];
+
+/// Hopper's shared memory after opt-in.
+const HOPPER_SHARED: usize = 227 * 1024;
+
+fn plan(
+    kernel: TileKernel,
+    forced: Option<TileShape>,
+    budget: usize,
+    head_dim: usize,
+) -> Option<TilePlan> {
+    plan_tiles(
+        AttentionKernel::Auto,
+        forced,
+        true,
+        true,
+        32,
+        budget,
+        kernel,
+        DType::BF16,
+        head_dim,
+    )
+}
+
+/// On CUDA every bf16/f16 head dimension the tile kernels accept, up to the 128 of the
+/// production models, gets a cube shape for all three kernels, so none of them silently
+/// falls back to the portable kernel there; and every plan stays within the cap.
+#[test]
+fn every_half_head_dim_up_to_128_fits_cuda_shared_memory() {
+    for head_dim in (FRAG..=128).step_by(FRAG) {
+        for kernel in KERNELS {
+            let p = plan(kernel, None, HOPPER_SHARED, head_dim)
+                .unwrap_or_else(|| panic!("{kernel:?} at head dim {head_dim}: no plan"));
+            let bytes = tile_shared_bytes(kernel, p.planes, p.stream_frags, head_dim, 2);
+            assert!(
+                bytes <= TILES_SHARED_CAP,
+                "{kernel:?} {head_dim}: {bytes} B"
+            );
+        }
+    }
+}
+
+/// Shared memory grows with planes and with the streamed tile, and the choice is the
+/// first preferred shape within the budget (none when even the smallest does not fit).
+#[test]
+fn shape_choice_stays_within_the_budget_and_follows_the_preference() {
+    for kernel in KERNELS {
+        for budget in [16 * 1024, 32 * 1024, 48 * 1024, TILES_SHARED_CAP] {
+            for head_dim in (FRAG..=128).step_by(FRAG) {
+                for elem in [2, 4] {
+                    let bytes = |p, f| tile_shared_bytes(kernel, p, f, head_dim, elem);
+                    assert!(bytes(2, 1) > bytes(1, 1));
+                    assert!(bytes(1, 2) > bytes(1, 1));
+                    let chosen = shape_that_fits(None, kernel, head_dim, elem, budget);
+                    let first = TILE_SHAPES.iter().position(|&(p, f)| bytes(p, f) <= budget);
+                    assert_eq!(chosen, first.map(|i| TILE_SHAPES[i]));
+                    if let Some((p, f)) = chosen {
+                        assert!(bytes(p, f) <= budget);
+                    }
+                }
+            }
+        }
+    }
+    // lavapipe's 32 KiB: the f16 forward at head dim 128 runs one plane with 16-key tiles,
+    // the f16 dK/dV (two f32 accumulators) does not fit (the wgpu_tiles test relies on
+    // both).
+    assert_eq!(
+        shape_that_fits(None, TileKernel::Forward, 128, 2, 32 * 1024),
+        Some((1, 1))
+    );
+    assert_eq!(
+        shape_that_fits(None, TileKernel::DkDv, 128, 2, 32 * 1024),
+        None
+    );
+}
+
+/// A forced shape is taken as it is where it fits, and refused (portable kernel) where it
+/// does not, rather than replaced by another.
+#[test]
+fn a_forced_shape_is_used_or_refused() {
+    let small = TileShape::new(1, 2);
+    let p = plan(TileKernel::Forward, small, HOPPER_SHARED, 64).expect("fits");
+    assert_eq!((p.planes, p.stream_frags), (1, 2));
+    let huge = TileShape::new(8, 8);
+    assert_eq!(plan(TileKernel::DkDv, huge, HOPPER_SHARED, 128), None);
+    assert_eq!(TileShape::new(0, 1), None);
+    assert_eq!(TileShape::new(1, TileShape::MAX + 1), None);
+}
+
+/// The shapes Hopper gets at the production head dimension, printed for the record and
+/// pinned so that a change to the preference or the cap is a visible decision.
+#[test]
+fn hopper_bf16_head_dim_128_shapes() {
+    let shapes = KERNELS.map(|k| {
+        let p = plan(k, None, HOPPER_SHARED, 128).expect("plan");
+        (p.planes, p.stream_frags)
+    });
+    for (k, (p, f)) in KERNELS.iter().zip(shapes) {
+        println!(
+            "{k:?}: {p} planes, {} streamed rows, {} B",
+            f * FRAG,
+            tile_shared_bytes(*k, p, f, 128, 2)
+        );
+    }
+    assert_eq!(shapes, [(4, 2), (4, 2), (2, 2)]);
+}
