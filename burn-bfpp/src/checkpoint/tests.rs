@@ -1,7 +1,7 @@
 //! Checkpoints on a small GPT: resume equals an uninterrupted run (same and other layouts),
 //! refusals name the file, and a crash between two shard writes keeps the previous one.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
@@ -100,12 +100,13 @@ fn config(pp: usize, loops: usize, dp: usize, zero: ZeroLevel) -> EngineConfig {
     }
 }
 
-/// A fresh, empty directory under the system's temporary directory.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bfpp-ckpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+/// A fresh, empty directory under the system's temporary directory, removed when the guard
+/// drops (also when the test fails).
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("bfpp-ckpt-{name}-"))
+        .tempdir()
+        .expect("temp dir")
 }
 
 fn sink_for(dir: &Path, cfg: &EngineConfig, base: &Gpt<B>, keep: usize) -> DirSink<'static> {
@@ -187,7 +188,8 @@ fn resume_same_and_other_layouts_matches_an_uninterrupted_run() {
     let saved_cfg = config(2, 2, 2, ZeroLevel::Zero3);
     let full = run(&base, &saved_cfg, STEPS, Checkpointing::default()).expect("full run");
 
-    let dir = scratch("resume");
+    let scratch_dir = scratch("resume");
+    let dir = scratch_dir.path().to_path_buf();
     let sink = sink_for(&dir, &saved_cfg, &base, 0);
     let ck = Checkpointing {
         at_end: true,
@@ -235,14 +237,14 @@ fn resume_same_and_other_layouts_matches_an_uninterrupted_run() {
             cfg.dp
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn damaged_checkpoints_are_refused_naming_the_file() {
     let base = model();
     let cfg = config(2, 1, 1, ZeroLevel::Zero0);
-    let dir = scratch("damaged");
+    let scratch_dir = scratch("damaged");
+    let dir = scratch_dir.path().to_path_buf();
     let sink = sink_for(&dir, &cfg, &base, 0);
     let ck = Checkpointing {
         at_end: true,
@@ -296,7 +298,6 @@ fn damaged_checkpoints_are_refused_naming_the_file() {
     // Saving the same step again would overwrite a complete checkpoint: refused up front.
     let err = sink.check_free([1]).expect_err("exists").to_string();
     assert!(err.contains("step-00000001"), "{err}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -304,7 +305,8 @@ fn a_crash_between_shard_writes_keeps_the_previous_checkpoint() {
     let base = model();
     let cfg = config(2, 1, 2, ZeroLevel::Zero2);
     let full = run(&base, &cfg, STEPS, Checkpointing::default()).expect("full run");
-    let dir = scratch("crash");
+    let scratch_dir = scratch("crash");
+    let dir = scratch_dir.path().to_path_buf();
     // Step 2 is saved (4 rank files); the save of step 4 dies after its first rank file.
     let sink = sink_for(&dir, &cfg, &base, 1).with_crash_after(Some(5));
     let ck = Checkpointing {
@@ -325,14 +327,14 @@ fn a_crash_between_shard_writes_keeps_the_previous_checkpoint() {
     let resumed = resume(&loaded, &base, &cfg);
     assert_eq!(resumed.losses, full.losses[2..]);
     assert_eq!(flat(&resumed.model), flat(&full.model));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn keep_prunes_only_after_a_complete_save() {
     let base = model();
     let cfg = config(1, 2, 1, ZeroLevel::Zero0);
-    let dir = scratch("keep");
+    let scratch_dir = scratch("keep");
+    let dir = scratch_dir.path().to_path_buf();
     let sink = sink_for(&dir, &cfg, &base, 2);
     let ck = Checkpointing {
         every: 1,
@@ -348,7 +350,6 @@ fn keep_prunes_only_after_a_complete_save() {
         .collect();
     assert_eq!(steps, vec![3, 4]);
     assert_eq!(resolve(&dir).expect("newest"), dir.join(step_dir_name(4)));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// An f16 run's loss scale is part of its checkpoint. The initial scale overflows at first
@@ -370,7 +371,8 @@ fn an_f16_run_resumes_with_its_loss_scale() {
     let full = run(&base, &cfg, STEPS, Checkpointing::default()).expect("full run");
     let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
 
-    let dir = scratch("f16-scale");
+    let scratch_dir = scratch("f16-scale");
+    let dir = scratch_dir.path().to_path_buf();
     let sink = sink_for(&dir, &cfg, &base, 0);
     let ck = Checkpointing {
         at_end: true,
@@ -412,5 +414,4 @@ fn an_f16_run_resumes_with_its_loss_scale() {
         "{:?}",
         restarted.skipped_steps
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -128,12 +128,13 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
 mod tests {
     use super::*;
 
-    /// A fresh, empty scratch folder for one test.
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("bfpp-data-{}-{name}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).expect("create scratch folder");
-        dir
+    /// A fresh, empty scratch folder for one test, removed when the guard drops (also when
+    /// the test fails).
+    fn scratch(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("bfpp-data-{name}-"))
+            .tempdir()
+            .expect("create scratch folder")
     }
 
     fn text(corpus: &TextCorpus) -> String {
@@ -142,18 +143,19 @@ mod tests {
 
     #[test]
     fn reads_a_single_file_verbatim() {
-        let dir = scratch("single");
+        let scratch_dir = scratch("single");
+        let dir = scratch_dir.path();
         let file = dir.join("a.txt");
         fs::write(&file, "no trailing newline").expect("write");
         let corpus = TextCorpus::from_path(&file).expect("read");
         assert_eq!(text(&corpus), "no trailing newline");
         assert_eq!(corpus.files().len(), 1);
-        fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
     fn folder_is_read_recursively_in_name_order_skipping_hidden() {
-        let dir = scratch("folder");
+        let scratch_dir = scratch("folder");
+        let dir = scratch_dir.path();
         fs::create_dir_all(dir.join("b_sub/inner")).expect("mkdir");
         fs::create_dir_all(dir.join(".git")).expect("mkdir");
         // Written out of order on purpose: the listing order must not matter.
@@ -164,13 +166,13 @@ mod tests {
         fs::write(dir.join("empty.txt"), "").expect("write");
         fs::write(dir.join(".hidden"), "H").expect("write");
         fs::write(dir.join(".git/config"), "G").expect("write");
-        let corpus = TextCorpus::from_path(&dir).expect("read");
+        let corpus = TextCorpus::from_path(dir).expect("read");
         // b_sub/inner/ sorts before b_sub/y.txt ("inner" < "y.txt").
         assert_eq!(text(&corpus), "A\nBIZ\nBY\nC\n");
         let names: Vec<_> = corpus
             .files()
             .iter()
-            .map(|(p, _)| p.strip_prefix(&dir).expect("under dir").to_path_buf())
+            .map(|(p, _)| p.strip_prefix(dir).expect("under dir").to_path_buf())
             .collect();
         let expected = [
             "a.txt",
@@ -180,33 +182,32 @@ mod tests {
             "empty.txt",
         ];
         assert_eq!(names, expected.map(PathBuf::from));
-        fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
     fn non_utf8_bytes_are_kept() {
-        let dir = scratch("binary");
+        let scratch_dir = scratch("binary");
+        let dir = scratch_dir.path();
         fs::write(dir.join("bin"), [0xFFu8, 0x00, 0xC3]).expect("write");
-        let corpus = TextCorpus::from_path(&dir).expect("read");
+        let corpus = TextCorpus::from_path(dir).expect("read");
         assert_eq!(&*corpus.tokens(), &[255, 0, 195]);
-        fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
     fn missing_and_empty_paths_are_clear_errors() {
-        let dir = scratch("errors");
+        let scratch_dir = scratch("errors");
+        let dir = scratch_dir.path();
         let missing = dir.join("nope");
         let err = TextCorpus::from_path(&missing).expect_err("missing");
         assert!(matches!(err, DataError::NotFound { .. }), "{err}");
         let msg = err.to_string();
         assert!(msg.contains("nope") && msg.contains("--data"), "{msg}");
 
-        let err = TextCorpus::from_path(&dir).expect_err("empty folder");
+        let err = TextCorpus::from_path(dir).expect_err("empty folder");
         assert!(matches!(err, DataError::Empty { .. }), "{err}");
         fs::write(dir.join("empty.txt"), "").expect("write");
         fs::write(dir.join(".hidden"), "x").expect("write");
-        let err = TextCorpus::from_path(&dir).expect_err("only empty files");
+        let err = TextCorpus::from_path(dir).expect_err("only empty files");
         assert!(err.to_string().contains("errors"), "{err}");
-        fs::remove_dir_all(&dir).ok();
     }
 }

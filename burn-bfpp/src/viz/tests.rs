@@ -348,15 +348,17 @@ fn sixty_four_ranks_stay_small_and_balanced() {
 
 #[test]
 fn write_file_names_the_path_it_could_not_write() {
-    let dir = std::env::temp_dir().join(format!("bfpp-viz-{}", std::process::id()));
-    let ok = dir.join("nested/out.svg");
+    let scratch_dir = tempfile::Builder::new()
+        .prefix("bfpp-viz-")
+        .tempdir()
+        .expect("temp dir");
+    let ok = scratch_dir.path().join("nested/out.svg");
     write_file(&ok, "<svg/>").unwrap();
     assert_eq!(std::fs::read_to_string(&ok).unwrap(), "<svg/>");
     // A file cannot be a folder.
     let bad = ok.join("below-a-file.svg");
     let err = write_file(&bad, "x").unwrap_err();
     assert!(err.to_string().contains("below-a-file.svg"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Writes the example pictures of the documentation into `$BFPP_VIZ_DOCS` (run with
