@@ -16,7 +16,7 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
-use super::row_acc::{row_block_acc_add, row_block_acc_to_shared, row_block_acc_zeroed};
+use super::row_acc::{row_block_acc_add, row_block_acc_to_shared, row_block_acc_zeroed, RowBlock};
 use super::tiles::{
     rows_dot_rows, stage_rows_unrolled, stage_values, sync_plane_data, ALIGN, FRAG, ROW_PAD,
 };
@@ -88,6 +88,14 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let block_kv = stream_frags * FRAG;
     // Row strides of the shared-memory blocks, padded (see ROW_PAD).
     let hp = comptime!(head_dim + ROW_PAD);
+    // How every accumulator block of this kernel lives (see `row_acc`).
+    let block = comptime!(RowBlock {
+        stride: hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        in_regs: acc_in_regs,
+    });
     let kvp = comptime!(block_kv + ROW_PAD);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -118,15 +126,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     );
     stage_values(lse, &mut lse_s, bh * seq_q, q0, seq_q, block_q, threads);
     stage_values(delta, &mut delta_s, bh * seq_q, q0, seq_q, block_q, threads);
-    let mut dq_acc = row_block_acc_zeroed(
-        &mut dq_s,
-        own,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
+    let mut dq_acc = row_block_acc_zeroed(&mut dq_s, own, block);
     sync_cube();
 
     let mut kv_end = seq_k;
@@ -208,26 +208,13 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
             &mut dq_s,
             own,
             stream_frags,
-            head_dim,
-            hp,
-            plane_dim,
-            use_cmma,
-            acc_in_regs,
+            block,
         );
         // The next tile overwrites k_s / v_s / s_s / dp_s / ds_s.
         sync_cube();
     }
 
-    row_block_acc_to_shared(
-        &dq_acc,
-        &mut dq_s,
-        own,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
+    row_block_acc_to_shared(&dq_acc, &mut dq_s, own, block);
     sync_plane_data(warp_sync);
     let mut e = lane;
     while e < FRAG * head_dim {
@@ -277,6 +264,14 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let block_q = stream_frags * FRAG;
     // Row strides of the shared-memory blocks, padded (see ROW_PAD).
     let hp = comptime!(head_dim + ROW_PAD);
+    // How every accumulator block of this kernel lives (see `row_acc`).
+    let block = comptime!(RowBlock {
+        stride: hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        in_regs: acc_in_regs,
+    });
     let qp = comptime!(block_q + ROW_PAD);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -307,24 +302,8 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     stage_rows_unrolled::<F, F>(
         v, &mut v_s, 0usize, kv_base, k0, seq_k, block_k, head_dim, hp, threads,
     );
-    let mut dk_acc = row_block_acc_zeroed(
-        &mut dk_s,
-        own,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
-    let mut dv_acc = row_block_acc_zeroed(
-        &mut dv_s,
-        own,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
+    let mut dk_acc = row_block_acc_zeroed(&mut dk_s, own, block);
+    let mut dv_acc = row_block_acc_zeroed(&mut dv_s, own, block);
 
     // Causal: a query row before the cube's first key sees none of its keys, so the query
     // tiles start at the one holding row `k0` (uniform across the cube).
@@ -403,11 +382,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             &mut dv_s,
             own,
             stream_frags,
-            head_dim,
-            hp,
-            plane_dim,
-            use_cmma,
-            acc_in_regs,
+            block,
         );
         row_block_acc_add::<F>(
             &mut dk_acc,
@@ -418,35 +393,13 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             &mut dk_s,
             own,
             stream_frags,
-            head_dim,
-            hp,
-            plane_dim,
-            use_cmma,
-            acc_in_regs,
+            block,
         );
         sync_cube();
     }
 
-    row_block_acc_to_shared(
-        &dk_acc,
-        &mut dk_s,
-        own,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
-    row_block_acc_to_shared(
-        &dv_acc,
-        &mut dv_s,
-        own,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
+    row_block_acc_to_shared(&dk_acc, &mut dk_s, own, block);
+    row_block_acc_to_shared(&dv_acc, &mut dv_s, own, block);
     sync_plane_data(warp_sync);
     let mut e = lane;
     while e < FRAG * head_dim {

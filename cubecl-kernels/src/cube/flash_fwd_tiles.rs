@@ -23,6 +23,7 @@ use cubecl::prelude::*;
 use super::flash_fwd::{visible, HIDDEN, HIDDEN_THRESHOLD};
 use super::row_acc::{
     row_block_acc_add, row_block_acc_from_shared, row_block_acc_to_shared, row_block_acc_zeroed,
+    RowBlock,
 };
 use super::tiles::{rows_dot_rows, stage_rows_unrolled, sync_plane_data, ALIGN, FRAG, ROW_PAD};
 
@@ -97,6 +98,14 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     let block_kv = kv_frags * FRAG;
     // Row strides of the shared-memory blocks, padded (see ROW_PAD).
     let hp = comptime!(head_dim + ROW_PAD);
+    // How every accumulator block of this kernel lives (see `row_acc`).
+    let block = comptime!(RowBlock {
+        stride: hp,
+        head_dim,
+        plane_dim,
+        use_cmma,
+        in_regs: acc_in_regs,
+    });
     let kvp = comptime!(block_kv + ROW_PAD);
     // The softmax's split of the plane's 16 rows over its lanes: several lanes per row on
     // planes wider than 16 lanes (CUDA's 32), each taking every `lanes_per_row`-th column,
@@ -136,15 +145,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         q, &mut q_s, 0usize, q_base, q0, seq_q, block_q, head_dim, hp, threads,
     );
     let o_off = plane * FRAG * hp;
-    let mut acc = row_block_acc_zeroed(
-        &mut o_s,
-        o_off,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
+    let mut acc = row_block_acc_zeroed(&mut o_s, o_off, block);
     // Every lane of a row keeps the row's running max and sum (the same values).
     let mut m = Array::<f32>::new(rows_per_lane);
     let mut l = Array::<f32>::new(rows_per_lane);
@@ -282,16 +283,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         }
         if acc_in_regs {
             if moved {
-                row_block_acc_to_shared(
-                    &acc,
-                    &mut o_s,
-                    o_off,
-                    hp,
-                    head_dim,
-                    plane_dim,
-                    use_cmma,
-                    acc_in_regs,
-                );
+                row_block_acc_to_shared(&acc, &mut o_s, o_off, block);
             }
             sync_plane_data(warp_sync);
         }
@@ -306,31 +298,10 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
         sync_plane_data(warp_sync);
         // Back into the fragments (a no-op for a block that lives in shared memory).
         if moved {
-            row_block_acc_from_shared(
-                &mut acc,
-                &o_s,
-                o_off,
-                hp,
-                head_dim,
-                plane_dim,
-                use_cmma,
-                acc_in_regs,
-            );
+            row_block_acc_from_shared(&mut acc, &o_s, o_off, block);
         }
         row_block_acc_add::<F>(
-            &mut acc,
-            &p_s,
-            s_off,
-            kvp,
-            &v_s,
-            &mut o_s,
-            o_off,
-            kv_frags,
-            head_dim,
-            hp,
-            plane_dim,
-            use_cmma,
-            acc_in_regs,
+            &mut acc, &p_s, s_off, kvp, &v_s, &mut o_s, o_off, kv_frags, block,
         );
         // The next tile overwrites k_s / v_s / s_s / p_s: every plane must be done with them.
         sync_cube();
@@ -339,16 +310,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     // The output block to shared memory; each row's 1/l (0 for a row that saw no key, which
     // outputs 0 with the sentinel log-sum-exp, as the portable kernel does); then the output
     // in the input dtype.
-    row_block_acc_to_shared(
-        &acc,
-        &mut o_s,
-        o_off,
-        hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        acc_in_regs,
-    );
+    row_block_acc_to_shared(&acc, &mut o_s, o_off, block);
     for i in 0..rows_per_lane {
         let r = row_in + i * plane_dim;
         if r < FRAG && part == 0 {

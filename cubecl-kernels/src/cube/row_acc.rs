@@ -14,6 +14,22 @@ use cubecl::prelude::*;
 
 use super::tiles::{accumulate_block_times_rows, FRAG};
 
+/// The comptime facts every operation on one plane's accumulator block needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct RowBlock {
+    /// Row stride of the block's place in shared memory (head dim plus padding).
+    pub(crate) stride: usize,
+    /// Columns of the block.
+    pub(crate) head_dim: usize,
+    /// Lanes per plane.
+    pub(crate) plane_dim: usize,
+    /// Whether products run on tensor cores.
+    pub(crate) use_cmma: bool,
+    /// Whether the block stays in registers between tiles
+    /// ([`AccumulatorPlace::Registers`](super::AccumulatorPlace::Registers)).
+    pub(crate) in_regs: bool,
+}
+
 /// Elements of each 16×16 block that one lane holds without tensor cores.
 fn elements_per_lane(plane_dim: usize) -> usize {
     (FRAG * FRAG).div_ceil(plane_dim)
@@ -21,7 +37,7 @@ fn elements_per_lane(plane_dim: usize) -> usize {
 
 /// One plane's accumulator block when it lives in registers: `frags` (one accumulator
 /// fragment per 16 columns) on tensor cores, `regs` without (lane `ℓ` holds element
-/// `ℓ + j·plane_dim` of each 16×16 block at `regs[block · per_lane + j]`). Unused parts are
+/// `ℓ + j·plane_dim` of the `f`-th 16×16 block at `regs[f · per_lane + j]`). Unused parts are
 /// empty (or one element), so they cost nothing in the generated code.
 #[derive(CubeType)]
 pub(crate) struct RowBlockAcc {
@@ -29,31 +45,26 @@ pub(crate) struct RowBlockAcc {
     regs: Array<f32>,
 }
 
-/// A zeroed accumulator block. The block's place in shared memory, `c` from `c_off` with row
-/// stride `stride`, is zeroed when it lives there (`in_regs` false) and is otherwise only
-/// written by [`row_block_acc_to_shared`]. Every lane of the plane must call it.
+/// A zeroed accumulator block. The block's place in shared memory, `c` from `c_off` with
+/// row stride `block.stride`, is zeroed when it lives there and is otherwise only written by
+/// [`row_block_acc_to_shared`]. Every lane of the plane must call it.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn row_block_acc_zeroed(
     c: &mut SharedMemory<f32>,
     c_off: usize,
-    #[comptime] stride: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] plane_dim: usize,
-    #[comptime] use_cmma: bool,
-    #[comptime] in_regs: bool,
+    #[comptime] block: RowBlock,
 ) -> RowBlockAcc {
-    let blocks = comptime!(head_dim / FRAG);
-    let per_lane = comptime!(elements_per_lane(plane_dim));
-    let regs_len = comptime!(if in_regs && !use_cmma {
+    let blocks = comptime!(block.head_dim / FRAG);
+    let per_lane = comptime!(elements_per_lane(block.plane_dim));
+    let regs_len = comptime!(if block.in_regs && !block.use_cmma {
         blocks * per_lane
     } else {
         1
     });
     let mut frags = Sequence::new();
     let mut regs = Array::<f32>::new(regs_len);
-    if in_regs {
-        if use_cmma {
+    if block.in_regs {
+        if block.use_cmma {
             #[unroll]
             for _ in 0..blocks {
                 let acc = unsafe {
@@ -75,19 +86,18 @@ pub(crate) fn row_block_acc_zeroed(
         }
     } else {
         let mut e = UNIT_POS_X as usize;
-        while e < FRAG * head_dim {
-            c[c_off + (e / head_dim) * stride + e % head_dim] = 0.0f32;
-            e += plane_dim;
+        while e < FRAG * block.head_dim {
+            c[c_off + (e / block.head_dim) * block.stride + e % block.head_dim] = 0.0f32;
+            e += block.plane_dim;
         }
     }
     RowBlockAcc { frags, regs }
 }
 
 /// `C += A·B` on the plane's block: A is `16 × (frags·16)` at `a_off` with row stride
-/// `a_stride`, B is `frags·16` rows of `head_dim` from element 0 with row stride `stride`
+/// `a_stride`, B is `frags·16` rows of `head_dim` from element 0 with the block's row stride
 /// (the operands of [`accumulate_block_times_rows`]); the block is `acc`, or `c` from
-/// `c_off` with row stride `stride` when it lives in shared memory. Every lane of the plane
-/// must call it.
+/// `c_off` when it lives in shared memory. Every lane of the plane must call it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn row_block_acc_add<F: Float>(
@@ -99,17 +109,23 @@ pub(crate) fn row_block_acc_add<F: Float>(
     c: &mut SharedMemory<f32>,
     c_off: usize,
     #[comptime] frags: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] stride: usize,
-    #[comptime] plane_dim: usize,
-    #[comptime] use_cmma: bool,
-    #[comptime] in_regs: bool,
+    #[comptime] block: RowBlock,
 ) {
-    if !in_regs {
+    if !block.in_regs {
         accumulate_block_times_rows::<F>(
-            a, a_off, a_stride, b, c, c_off, frags, head_dim, stride, plane_dim, use_cmma,
+            a,
+            a_off,
+            a_stride,
+            b,
+            c,
+            c_off,
+            frags,
+            block.head_dim,
+            block.stride,
+            block.plane_dim,
+            block.use_cmma,
         );
-    } else if use_cmma {
+    } else if block.use_cmma {
         // Each 16-column step of A is loaded once and multiplied into every output block,
         // where the shared-memory place reloads it per block.
         #[unroll]
@@ -124,15 +140,15 @@ pub(crate) fn row_block_acc_add<F: Float>(
                 a_stride as u32,
             );
             #[unroll]
-            for f in 0..head_dim / FRAG {
+            for f in 0..block.head_dim / FRAG {
                 let fb = cmma::Matrix::<F>::from_slice(
                     cmma::MatrixIdent::B,
                     FRAG,
                     FRAG,
                     FRAG,
                     cmma::MatrixLayout::RowMajor,
-                    &b.slice(kk * FRAG * stride + f * FRAG, b.len()),
-                    stride as u32,
+                    &b.slice(kk * FRAG * block.stride + f * FRAG, b.len()),
+                    block.stride as u32,
                 );
                 let out = acc.frags.index(f);
                 cmma::execute::<F, F, f32, f32>(&fa, &fb, out, out);
@@ -140,17 +156,17 @@ pub(crate) fn row_block_acc_add<F: Float>(
         }
     } else {
         let lane = UNIT_POS_X as usize;
-        let per_lane = comptime!(elements_per_lane(plane_dim));
-        for f in 0..head_dim / FRAG {
+        let per_lane = comptime!(elements_per_lane(block.plane_dim));
+        for f in 0..block.head_dim / FRAG {
             for j in 0..per_lane {
-                let e = lane + j * plane_dim;
+                let e = lane + j * block.plane_dim;
                 if e < FRAG * FRAG {
                     let r = e / FRAG;
                     let col = f * FRAG + e % FRAG;
                     let mut sum = f32::new(0.0);
                     for x in 0..frags * FRAG {
                         sum += f32::cast_from(a[a_off + r * a_stride + x])
-                            * f32::cast_from(b[x * stride + col]);
+                            * f32::cast_from(b[x * block.stride + col]);
                     }
                     acc.regs[f * per_lane + j] += sum;
                 }
@@ -159,40 +175,35 @@ pub(crate) fn row_block_acc_add<F: Float>(
     }
 }
 
-/// Writes a block that lives in registers to its place in shared memory (`c` from `c_off`,
-/// row stride `stride`); nothing to do when it lives there already. Every lane of the plane
-/// must call it; the plane's reads of `c` need a [`super::tiles::sync_plane_data`] after it.
+/// Writes a block that lives in registers to its place in shared memory (`c` from `c_off`);
+/// nothing to do when it lives there already. Every lane of the plane must call it; the
+/// plane's reads of `c` need a [`super::tiles::sync_plane_data`] after it.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn row_block_acc_to_shared(
     acc: &RowBlockAcc,
     c: &mut SharedMemory<f32>,
     c_off: usize,
-    #[comptime] stride: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] plane_dim: usize,
-    #[comptime] use_cmma: bool,
-    #[comptime] in_regs: bool,
+    #[comptime] block: RowBlock,
 ) {
-    if in_regs {
-        if use_cmma {
+    if block.in_regs {
+        if block.use_cmma {
             #[unroll]
-            for f in 0..head_dim / FRAG {
+            for f in 0..block.head_dim / FRAG {
                 cmma::store(
                     &mut c.slice_mut(c_off + f * FRAG, c.len()),
                     acc.frags.index(f),
-                    stride as u32,
+                    block.stride as u32,
                     cmma::MatrixLayout::RowMajor,
                 );
             }
         } else {
             let lane = UNIT_POS_X as usize;
-            let per_lane = comptime!(elements_per_lane(plane_dim));
-            for f in 0..head_dim / FRAG {
+            let per_lane = comptime!(elements_per_lane(block.plane_dim));
+            for f in 0..block.head_dim / FRAG {
                 for j in 0..per_lane {
-                    let e = lane + j * plane_dim;
+                    let e = lane + j * block.plane_dim;
                     if e < FRAG * FRAG {
-                        c[c_off + (e / FRAG) * stride + f * FRAG + e % FRAG] =
+                        c[c_off + (e / FRAG) * block.stride + f * FRAG + e % FRAG] =
                             acc.regs[f * per_lane + j];
                     }
                 }
@@ -205,37 +216,32 @@ pub(crate) fn row_block_acc_to_shared(
 /// kernel changed it there (the forward's rescale); nothing to do when it lives there. The
 /// plane's writes to `c` need a [`super::tiles::sync_plane_data`] before it.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn row_block_acc_from_shared(
     acc: &mut RowBlockAcc,
     c: &SharedMemory<f32>,
     c_off: usize,
-    #[comptime] stride: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] plane_dim: usize,
-    #[comptime] use_cmma: bool,
-    #[comptime] in_regs: bool,
+    #[comptime] block: RowBlock,
 ) {
-    if in_regs {
-        if use_cmma {
+    if block.in_regs {
+        if block.use_cmma {
             #[unroll]
-            for f in 0..head_dim / FRAG {
+            for f in 0..block.head_dim / FRAG {
                 cmma::load_with_layout(
                     acc.frags.index(f),
                     &c.slice(c_off + f * FRAG, c.len()),
-                    stride as u32,
+                    block.stride as u32,
                     cmma::MatrixLayout::RowMajor,
                 );
             }
         } else {
             let lane = UNIT_POS_X as usize;
-            let per_lane = comptime!(elements_per_lane(plane_dim));
-            for f in 0..head_dim / FRAG {
+            let per_lane = comptime!(elements_per_lane(block.plane_dim));
+            for f in 0..block.head_dim / FRAG {
                 for j in 0..per_lane {
-                    let e = lane + j * plane_dim;
+                    let e = lane + j * block.plane_dim;
                     if e < FRAG * FRAG {
                         acc.regs[f * per_lane + j] =
-                            c[c_off + (e / FRAG) * stride + f * FRAG + e % FRAG];
+                            c[c_off + (e / FRAG) * block.stride + f * FRAG + e % FRAG];
                     }
                 }
             }
