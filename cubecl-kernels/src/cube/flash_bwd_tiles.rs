@@ -89,13 +89,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     // Row strides of the shared-memory blocks, padded (see ROW_PAD).
     let hp = comptime!(head_dim + ROW_PAD);
     // How every accumulator block of this kernel lives (see `row_acc`).
-    let block = comptime!(RowBlock {
-        stride: hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        in_regs: acc_in_regs,
-    });
+    let block = comptime!(RowBlock::new(head_dim, plane_dim, use_cmma, acc_in_regs));
     let kvp = comptime!(block_kv + ROW_PAD);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -265,13 +259,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     // Row strides of the shared-memory blocks, padded (see ROW_PAD).
     let hp = comptime!(head_dim + ROW_PAD);
     // How every accumulator block of this kernel lives (see `row_acc`).
-    let block = comptime!(RowBlock {
-        stride: hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        in_regs: acc_in_regs,
-    });
+    let block = comptime!(RowBlock::new(head_dim, plane_dim, use_cmma, acc_in_regs));
     let qp = comptime!(block_q + ROW_PAD);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;

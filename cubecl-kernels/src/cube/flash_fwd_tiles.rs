@@ -99,13 +99,7 @@ pub(crate) fn flash_fwd_tiles_kernel<F: Float>(
     // Row strides of the shared-memory blocks, padded (see ROW_PAD).
     let hp = comptime!(head_dim + ROW_PAD);
     // How every accumulator block of this kernel lives (see `row_acc`).
-    let block = comptime!(RowBlock {
-        stride: hp,
-        head_dim,
-        plane_dim,
-        use_cmma,
-        in_regs: acc_in_regs,
-    });
+    let block = comptime!(RowBlock::new(head_dim, plane_dim, use_cmma, acc_in_regs));
     let kvp = comptime!(block_kv + ROW_PAD);
     // The softmax's split of the plane's 16 rows over its lanes: several lanes per row on
     // planes wider than 16 lanes (CUDA's 32), each taking every `lanes_per_row`-th column,

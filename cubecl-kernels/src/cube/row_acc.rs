@@ -12,7 +12,9 @@
 
 use cubecl::prelude::*;
 
-use super::tiles::{accumulate_block_times_rows, FRAG};
+use super::tiles::{
+    accumulate_block_times_rows, accumulator_fragment, operand_fragment, FRAG, ROW_PAD,
+};
 
 /// The comptime facts every operation on one plane's accumulator block needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -28,6 +30,20 @@ pub(crate) struct RowBlock {
     /// Whether the block stays in registers between tiles
     /// ([`AccumulatorPlace::Registers`](super::AccumulatorPlace::Registers)).
     pub(crate) in_regs: bool,
+}
+
+impl RowBlock {
+    /// The block of a kernel with these comptime parameters; its place in shared memory has
+    /// padded rows (see [`ROW_PAD`]).
+    pub(crate) fn new(head_dim: usize, plane_dim: usize, use_cmma: bool, in_regs: bool) -> Self {
+        RowBlock {
+            stride: head_dim + ROW_PAD,
+            head_dim,
+            plane_dim,
+            use_cmma,
+            in_regs,
+        }
+    }
 }
 
 /// Elements of each 16×16 block that one lane holds without tensor cores.
@@ -67,15 +83,7 @@ pub(crate) fn row_block_acc_zeroed(
         if block.use_cmma {
             #[unroll]
             for _ in 0..blocks {
-                let acc = unsafe {
-                    cmma::Matrix::<f32>::uninitialized(
-                        cmma::MatrixIdent::Accumulator,
-                        FRAG,
-                        FRAG,
-                        FRAG,
-                        cmma::MatrixLayout::Undefined,
-                    )
-                };
+                let acc = accumulator_fragment();
                 cmma::fill(&acc, 0.0f32);
                 frags.push(acc);
             }
@@ -130,25 +138,21 @@ pub(crate) fn row_block_acc_add<F: Float>(
         // where the shared-memory place reloads it per block.
         #[unroll]
         for kk in 0..frags {
-            let fa = cmma::Matrix::<F>::from_slice(
+            let fa = operand_fragment::<F>(
+                a,
+                a_off + kk * FRAG,
+                a_stride,
                 cmma::MatrixIdent::A,
-                FRAG,
-                FRAG,
-                FRAG,
                 cmma::MatrixLayout::RowMajor,
-                &a.slice(a_off + kk * FRAG, a.len()),
-                a_stride as u32,
             );
             #[unroll]
             for f in 0..block.head_dim / FRAG {
-                let fb = cmma::Matrix::<F>::from_slice(
+                let fb = operand_fragment::<F>(
+                    b,
+                    kk * FRAG * block.stride + f * FRAG,
+                    block.stride,
                     cmma::MatrixIdent::B,
-                    FRAG,
-                    FRAG,
-                    FRAG,
                     cmma::MatrixLayout::RowMajor,
-                    &b.slice(kk * FRAG * block.stride + f * FRAG, b.len()),
-                    block.stride as u32,
                 );
                 let out = acc.frags.index(f);
                 cmma::execute::<F, F, f32, f32>(&fa, &fb, out, out);

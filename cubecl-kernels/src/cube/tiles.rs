@@ -135,6 +135,41 @@ pub(crate) fn stage_values(
     }
 }
 
+/// An f32 accumulator fragment of one plane, its contents undefined until filled or loaded.
+#[cube]
+pub(crate) fn accumulator_fragment() -> cmma::Matrix<f32> {
+    unsafe {
+        cmma::Matrix::<f32>::uninitialized(
+            cmma::MatrixIdent::Accumulator,
+            FRAG,
+            FRAG,
+            FRAG,
+            cmma::MatrixLayout::Undefined,
+        )
+    }
+}
+
+/// One plane's 16×16 operand fragment (`ident` A or B) read from shared memory at `off`
+/// with row stride `stride`, stored as `layout` says.
+#[cube]
+pub(crate) fn operand_fragment<F: Float>(
+    s: &SharedMemory<F>,
+    off: usize,
+    #[comptime] stride: usize,
+    #[comptime] ident: cmma::MatrixIdent,
+    #[comptime] layout: cmma::MatrixLayout,
+) -> cmma::Matrix<F> {
+    cmma::Matrix::<F>::from_slice(
+        ident,
+        FRAG,
+        FRAG,
+        FRAG,
+        layout,
+        &s.slice(off, s.len()),
+        stride as u32,
+    )
+}
+
 /// One plane's 16×16 block `C (=|+=) Σₖ Aₖ·Bₖ` over `k_frags` 16-wide steps of the inner
 /// dimension. `A` is row-major with row stride `a_stride`, its k-th fragment at
 /// `a_off + k·a_step`; `B`'s k-th fragment is at `b_off + k·b_step`, row-major (`[k][n]`) or,
@@ -162,15 +197,7 @@ pub(crate) fn block_product<F: Float>(
     #[comptime] use_cmma: bool,
 ) {
     if use_cmma {
-        let acc = unsafe {
-            cmma::Matrix::<f32>::uninitialized(
-                cmma::MatrixIdent::Accumulator,
-                FRAG,
-                FRAG,
-                FRAG,
-                cmma::MatrixLayout::Undefined,
-            )
-        };
+        let acc = accumulator_fragment();
         if accumulate {
             cmma::load_with_layout(
                 &acc,
@@ -188,23 +215,19 @@ pub(crate) fn block_product<F: Float>(
         };
         #[unroll]
         for kk in 0..k_frags {
-            let fa = cmma::Matrix::<F>::from_slice(
+            let fa = operand_fragment::<F>(
+                a,
+                a_off + kk * a_step,
+                a_stride,
                 cmma::MatrixIdent::A,
-                FRAG,
-                FRAG,
-                FRAG,
                 cmma::MatrixLayout::RowMajor,
-                &a.slice(a_off + kk * a_step, a.len()),
-                a_stride as u32,
             );
-            let fb = cmma::Matrix::<F>::from_slice(
+            let fb = operand_fragment::<F>(
+                b,
+                b_off + kk * b_step,
+                b_stride,
                 cmma::MatrixIdent::B,
-                FRAG,
-                FRAG,
-                FRAG,
                 b_layout,
-                &b.slice(b_off + kk * b_step, b.len()),
-                b_stride as u32,
             );
             cmma::execute::<F, F, f32, f32>(&fa, &fb, &acc, &acc);
         }
