@@ -142,9 +142,10 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
 ) -> Option<TilePlan> {
     let props = client.properties();
     let hw = &props.hardware;
-    let plan = plan_tiles(
+    plan_tiles(
         attention_kernel(),
         attention_tiles(),
+        attention_accumulators(),
         has_tile_fragments(props.features.matmul.cmma.iter(), dtype),
         R::name(client) == "cuda",
         hw.plane_size_max.max(1) as usize,
@@ -152,11 +153,7 @@ pub(crate) fn tiles_plan<R: CubeRuntime>(
         kernel,
         dtype,
         head_dim,
-    )?;
-    Some(TilePlan {
-        acc_in_regs: attention_accumulators() == AccumulatorPlace::Registers,
-        ..plan
-    })
+    )
 }
 
 /// Whether all three tile kernels (forward, dQ, dK/dV) run on tensor cores under `plan`
@@ -191,11 +188,14 @@ pub(crate) fn has_tile_fragments<'a>(
 /// [`AttentionKernel::Auto`], the device has no tensor-core fragment of the input type).
 /// Fragments are plane-wide, so the cube's x dimension is the hardware plane width
 /// `plane_dim` (or [`EMULATED_PLANE`] without tensor cores). `cuda` says whether the runtime
-/// is CUDA's, whose warp barriers order shared memory.
+/// is CUDA's, whose warp barriers order shared memory. `accumulators` is where the kernels
+/// keep their accumulator blocks (the process-wide choice, or the default for code generated
+/// ahead of time).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_tiles(
     choice: AttentionKernel,
     forced: Option<TileShape>,
+    accumulators: AccumulatorPlace,
     has_cmma: bool,
     cuda: bool,
     plane_dim: usize,
@@ -218,7 +218,7 @@ pub(crate) fn plan_tiles(
         plane_dim: if has_cmma { plane_dim } else { EMULATED_PLANE },
         use_cmma: has_cmma,
         warp_sync: cuda,
-        acc_in_regs: AccumulatorPlace::default() == AccumulatorPlace::Registers,
+        acc_in_regs: accumulators == AccumulatorPlace::Registers,
     })
 }
 

@@ -17,6 +17,7 @@ fn plan(
     plan_tiles(
         AttentionKernel::Auto,
         forced,
+        AccumulatorPlace::default(),
         true,
         true,
         32,
@@ -108,4 +109,28 @@ fn hopper_bf16_head_dim_128_shapes() {
         );
     }
     assert_eq!(shapes, [(4, 2), (4, 2), (2, 2)]);
+}
+
+/// The accumulators' place reaches the plan as asked, registers by default.
+#[test]
+fn the_accumulator_place_reaches_the_plan() {
+    let in_regs = |place| {
+        plan_tiles(
+            AttentionKernel::Auto,
+            None,
+            place,
+            true,
+            true,
+            32,
+            HOPPER_SHARED,
+            TileKernel::Forward,
+            DType::BF16,
+            128,
+        )
+        .expect("plan")
+        .acc_in_regs
+    };
+    assert!(in_regs(AccumulatorPlace::Registers));
+    assert!(!in_regs(AccumulatorPlace::Shared));
+    assert_eq!(AccumulatorPlace::default(), AccumulatorPlace::Registers);
 }

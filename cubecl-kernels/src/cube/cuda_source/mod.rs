@@ -30,7 +30,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures, DialectWmmaCo
 use super::attention::{
     all_tiles_on_tensor_cores, has_tile_fragments, plan_tiles, TileKernel, TilePlan,
 };
-use super::AttentionKernel;
+use super::{AccumulatorPlace, AttentionKernel};
 use generate::{Attention, Generator};
 
 pub use toolchain::{assemble_with_nvjitlink, compile_with_nvrtc, SassResources};
@@ -78,6 +78,7 @@ impl CudaTarget {
         plan_tiles(
             choice,
             None,
+            AccumulatorPlace::default(),
             has_tile_fragments(fragments.iter(), dtype),
             true,
             Self::WARP,
