@@ -487,7 +487,70 @@ mod bench {
         let attn_inputs = op_inputs(Op::Attention, &device, shapes, half);
         attn_kernels["default_tile_shapes"] =
             tile_sweep::shapes_json(&device, half, shapes.attn[3]);
-        attn_kernels["tile_sweep"] = tile_sweep::sweep(
+        let mut json = if attn_only {
+            serde_json::json!({
+                "backend": dev::NAME,
+                "burn_matmul": BURN_MATMUL,
+                "dtype": format!("{half:?}"),
+                "attn_shape": shapes.attn,
+                "attn_fwd_bwd_ms": attn,
+                "attn_kernels_ms": attn_kernels,
+            })
+        } else {
+            let (mlp_fused_fwd, mlp_burn_fwd) = mlp_forward_ms(&device, shapes, half);
+            eprintln!("mlp fwd: fused {mlp_fused_fwd:.3} ms, Burn {mlp_burn_fwd:.3} ms");
+            let mlp = time_op(Op::Mlp, shapes.reps);
+            let units_before = unit_matmul_launches();
+            let ce = time_op(Op::Ce, shapes.reps.min(3));
+            let ce_default = if unit_matmul_launches() > units_before {
+                "unit"
+            } else {
+                "burn_matmul"
+            };
+            // The head is f32, and the default picks its f32 routine by device (the exact unit
+            // routine where Burn's matmul would round to TF32): both, timed on the same inputs.
+            let ce_inputs = op_inputs(Op::Ce, &device, shapes, half);
+            let mut ce_f32 = serde_json::json!({ "default": ce_default });
+            for (name, choice) in [("unit", F32Matmul::Unit), ("burn_matmul", F32Matmul::Burn)] {
+                set_f32_matmul(choice);
+                let ms = time_ms(&device, shapes.reps.min(3), || fwd_bwd(&ce_inputs, true));
+                eprintln!("ce fwd+bwd, fused, f32 products on {name}: {ms:.3} ms");
+                ce_f32[name] = ms.into();
+            }
+            set_f32_matmul(F32Matmul::Auto);
+            eprintln!("ce fwd+bwd: the default ran its f32 products on {ce_default}");
+            let peak: serde_json::Map<String, serde_json::Value> = measure_all(&shape_args)
+                .into_iter()
+                .map(|(op, fused, burn)| {
+                    (
+                        op.name().to_string(),
+                        serde_json::json!({ "fused": fused, "burn": burn }),
+                    )
+                })
+                .collect();
+            serde_json::json!({
+                "backend": dev::NAME,
+                "burn_matmul": BURN_MATMUL,
+                "dtype": format!("{half:?}"),
+                "attn_shape": shapes.attn,
+                "mlp_shape": shapes.mlp,
+                "ce_shape": shapes.ce,
+                "attn_fwd_bwd_ms": attn,
+                "attn_kernels_ms": attn_kernels,
+                "mlp_fwd_ms": { "fused": mlp_fused_fwd, "burn": mlp_burn_fwd },
+                "mlp_fwd_bwd_ms": mlp,
+                "ce_fwd_bwd_ms": ce,
+                "ce_f32_matmul_ms": ce_f32,
+                "peak_bytes": peak,
+            })
+        };
+        // The tile sweep runs last, after the results so far are on disk: a run cut short
+        // by a time limit (gpu-check.sh's BENCH_S) keeps every other figure.
+        let path = value_of("--json");
+        if path.is_some() && !tile_shapes.is_empty() {
+            write_json(path.clone(), &json);
+        }
+        json["attn_kernels_ms"]["tile_sweep"] = tile_sweep::sweep(
             &device,
             &attn_inputs,
             shapes.reps,
@@ -495,65 +558,7 @@ mod bench {
             &tile_places,
             half,
         );
-        if attn_only {
-            let json = serde_json::json!({
-                "backend": dev::NAME,
-                "burn_matmul": BURN_MATMUL,
-                "dtype": format!("{half:?}"),
-                "attn_shape": shapes.attn,
-                "attn_fwd_bwd_ms": attn,
-                "attn_kernels_ms": attn_kernels,
-            });
-            write_json(value_of("--json"), &json);
-            return;
-        }
-        let (mlp_fused_fwd, mlp_burn_fwd) = mlp_forward_ms(&device, shapes, half);
-        eprintln!("mlp fwd: fused {mlp_fused_fwd:.3} ms, Burn {mlp_burn_fwd:.3} ms");
-        let mlp = time_op(Op::Mlp, shapes.reps);
-        let units_before = unit_matmul_launches();
-        let ce = time_op(Op::Ce, shapes.reps.min(3));
-        let ce_default = if unit_matmul_launches() > units_before {
-            "unit"
-        } else {
-            "burn_matmul"
-        };
-        // The head is f32, and the default picks its f32 routine by device (the exact unit
-        // routine where Burn's matmul would round to TF32): both, timed on the same inputs.
-        let ce_inputs = op_inputs(Op::Ce, &device, shapes, half);
-        let mut ce_f32 = serde_json::json!({ "default": ce_default });
-        for (name, choice) in [("unit", F32Matmul::Unit), ("burn_matmul", F32Matmul::Burn)] {
-            set_f32_matmul(choice);
-            let ms = time_ms(&device, shapes.reps.min(3), || fwd_bwd(&ce_inputs, true));
-            eprintln!("ce fwd+bwd, fused, f32 products on {name}: {ms:.3} ms");
-            ce_f32[name] = ms.into();
-        }
-        set_f32_matmul(F32Matmul::Auto);
-        eprintln!("ce fwd+bwd: the default ran its f32 products on {ce_default}");
-        let peak: serde_json::Map<String, serde_json::Value> = measure_all(&shape_args)
-            .into_iter()
-            .map(|(op, fused, burn)| {
-                (
-                    op.name().to_string(),
-                    serde_json::json!({ "fused": fused, "burn": burn }),
-                )
-            })
-            .collect();
-        let json = serde_json::json!({
-            "backend": dev::NAME,
-            "burn_matmul": BURN_MATMUL,
-            "dtype": format!("{half:?}"),
-            "attn_shape": shapes.attn,
-            "mlp_shape": shapes.mlp,
-            "ce_shape": shapes.ce,
-            "attn_fwd_bwd_ms": attn,
-            "attn_kernels_ms": attn_kernels,
-            "mlp_fwd_ms": { "fused": mlp_fused_fwd, "burn": mlp_burn_fwd },
-            "mlp_fwd_bwd_ms": mlp,
-            "ce_fwd_bwd_ms": ce,
-            "ce_f32_matmul_ms": ce_f32,
-            "peak_bytes": peak,
-        });
-        write_json(value_of("--json"), &json);
+        write_json(path, &json);
     }
 
     /// The results to `path`, or to standard output without one.
