@@ -117,9 +117,9 @@ fn cuda_attention_and_linear_ce_half_types_match_f64_oracle() {
 /// Every cube shape `gpu-check.sh` times, forced one at a time in bf16 on tensor cores, with
 /// the accumulators in fragments for the whole loop (the default) and in shared memory on
 /// alternate shapes (each variant is a kernel NVRTC compiles, which takes time from
-/// `gpu-check.sh`'s correctness budget), at head dims 128 and 64 and lengths that are not multiples of any streamed tile: what a
-/// shape the launchers may prefer computes must be right before its speed matters. The CPU
-/// counterpart (products on the lanes, shapes that fit lavapipe) is `wgpu_tiles`.
+/// `gpu-check.sh`'s correctness budget), at head dims 128 and 64 and lengths that are not
+/// multiples of any streamed tile: what a shape the launchers may prefer computes must be
+/// right before its speed matters. The CPU counterpart (products on the lanes, shapes that fit lavapipe) is `wgpu_tiles`.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn cuda_attention_tile_shapes_match_f64_oracle() {

@@ -30,26 +30,37 @@ pub(crate) fn parse_shapes(text: &str) -> Result<Vec<TileShape>, String> {
         .collect()
 }
 
+/// The accumulators' places by the names `--attn-acc` and the JSON rows use.
+const PLACES: [(&str, AccumulatorPlace); 2] = [
+    ("registers", AccumulatorPlace::Registers),
+    ("shared", AccumulatorPlace::Shared),
+];
+
 /// `registers,shared` (either or both): where the swept kernels keep their accumulators.
 pub(crate) fn parse_places(text: &str) -> Result<Vec<AccumulatorPlace>, String> {
     text.split(',')
-        .map(|item| match item.trim() {
-            "registers" => Ok(AccumulatorPlace::Registers),
-            "shared" => Ok(AccumulatorPlace::Shared),
-            other => Err(format!(
-                "--attn-acc: `{other}` is not a place of the accumulators; give `registers`, \
-                 `shared` or `registers,shared`"
-            )),
+        .map(|item| {
+            let item = item.trim();
+            PLACES
+                .iter()
+                .find(|(name, _)| *name == item)
+                .map(|&(_, place)| place)
+                .ok_or_else(|| {
+                    format!(
+                        "--attn-acc: `{item}` is not a place of the accumulators; give \
+                         `registers`, `shared` or `registers,shared`"
+                    )
+                })
         })
         .collect()
 }
 
 /// The place's name as `--attn-acc` spells it.
 fn place_label(place: AccumulatorPlace) -> &'static str {
-    match place {
-        AccumulatorPlace::Registers => "registers",
-        AccumulatorPlace::Shared => "shared",
-    }
+    PLACES
+        .iter()
+        .find(|&&(_, p)| p == place)
+        .map_or("unknown", |&(name, _)| name)
 }
 
 /// `PxF` of a shape, or `portable` for a kernel that runs the portable kernel.
@@ -66,7 +77,8 @@ pub(crate) fn shapes_json(device: &Device, dtype: DType, head_dim: usize) -> ser
 }
 
 /// Forward and forward + backward times (ms) of causal attention on `inputs` under each of
-/// `shapes` with the accumulators in each of `places`. On a device without tensor cores the tile kernels are forced (their products
+/// `shapes` with the accumulators in each of `places`. On a device without tensor cores the
+/// tile kernels are forced (their products
 /// then run on the lanes), so the sweep runs on the CPU adapter too. A kernel whose shared
 /// memory a shape exceeds runs the portable kernel, which the row's `kernels` names.
 pub(crate) fn sweep(
@@ -92,8 +104,8 @@ pub(crate) fn sweep(
     };
     let mut rows = Vec::new();
     for &shape in shapes {
+        set_attention_tiles(Some(shape));
         for &place in places {
-            set_attention_tiles(Some(shape));
             set_attention_accumulators(place);
             let kernels = shapes_json(device, dtype, head_dim);
             let fwd = time_ms(device, reps, forward);
