@@ -21,6 +21,7 @@ use cubecl::Runtime;
 use cubecl_kernels::cube::cuda_source::{
     assemble_with_nvjitlink, compile_with_nvrtc, cuda_sources, CudaTarget,
 };
+use cubecl_kernels::cube::{set_attention_accumulators, AccumulatorPlace};
 
 /// The folder holding the CUDA headers: `BFPP_CUDA_INCLUDE`, else `$CUDA_PATH/include`, else
 /// the toolkit's default place.
@@ -102,12 +103,16 @@ fn every_kernel_generates_and_compiles_for_hopper() {
     let mut compiled = BTreeSet::new();
     let mut tensor_core_kernels = 0;
     let out_dir = std::env::var_os("BFPP_CUDA_CODEGEN_OUT").map(PathBuf::from);
-    for (dtype, head_dim) in [
-        (DType::BF16, 128),
-        (DType::BF16, 64),
-        (DType::F16, 48),
-        (DType::F32, 64),
+    // The production shape also with the accumulators in shared memory, the fallback place
+    // the GPU's tile sweep times against the default.
+    for (dtype, head_dim, place) in [
+        (DType::BF16, 128, AccumulatorPlace::Registers),
+        (DType::BF16, 64, AccumulatorPlace::Registers),
+        (DType::F16, 48, AccumulatorPlace::Registers),
+        (DType::F32, 64, AccumulatorPlace::Registers),
+        (DType::BF16, 128, AccumulatorPlace::Shared),
     ] {
+        set_attention_accumulators(place);
         let tensor_cores = target.attention_uses_tensor_cores(dtype, head_dim);
         // f16/bf16 with a head dimension a multiple of 16 must take the tensor-core kernels on
         // Hopper: if CubeCL's fragment table or the plan stopped allowing them, Auto would
@@ -178,5 +183,6 @@ fn every_kernel_generates_and_compiles_for_hopper() {
         }
     }
     // bf16 (two head dimensions) and f16, three kernels each, causal+masked and plain.
-    assert_eq!(tensor_core_kernels, 18);
+    set_attention_accumulators(AccumulatorPlace::default());
+    assert_eq!(tensor_core_kernels, 24);
 }

@@ -59,9 +59,9 @@ fn tiled_attention_matches_f64_oracle() {
     ];
     if <Wgpu as Backend>::supports_dtype(&dev, DType::F16) {
         // Half inputs: P and dS are rounded to f16 before their products, as on tensor
-        // cores. Head dim 128 fits only in half precision. The dK/dV kernel (two f32
-        // accumulators) does not fit lavapipe's 32 KiB at head dim 128 in f16 nor at 64 in
-        // f32: those fall back to the scalar kernel, as the planner says.
+        // cores. Head dim 128 fits only in half precision. With its accumulators in
+        // registers (the default) the dK/dV kernel declares no f32 blocks for them, so it
+        // fits lavapipe's 32 KiB at head dim 128 in f16 and at 64 in f32 too.
         cases.push((DType::F16, [1, 2, 21, 40, 32], true, true));
         cases.push((DType::F16, [1, 1, 37, 29, 128], true, true));
     }
@@ -84,14 +84,11 @@ fn tiled_attention_matches_f64_oracle() {
         );
         assert!(after.dq > before.dq, "{label}: dQ not on the tile kernel");
         let planned = attention_tile_shapes::<WgpuRuntime>(&dev, dtype, shape[4])[2];
-        assert_eq!(
+        assert!(planned.is_some(), "{label}: dK/dV does not fit");
+        assert!(
             after.dkdv > before.dkdv,
-            planned.is_some(),
-            "{label}: dK/dV on the tiles against the plan {planned:?}"
+            "{label}: dK/dV not on the tile kernel"
         );
-        if shape[4] <= 48 {
-            assert!(planned.is_some(), "{label}: dK/dV does not fit");
-        }
     }
 
     // Every cube shape the launchers may pick on a GPU, forced one at a time: planes and

@@ -108,20 +108,24 @@ impl TilePlan {
 }
 
 /// Shared memory `kernel` declares for a cube of `planes` planes streaming tiles of
-/// `stream_frags` fragments.
+/// `stream_frags` fragments, its accumulators in registers (`acc_in_regs`) or in shared
+/// memory. The backward kernels declare no accumulator blocks when they keep them in
+/// registers; the forward keeps its block for the rescale either way.
 pub(crate) fn tile_shared_bytes(
     kernel: TileKernel,
     planes: usize,
     stream_frags: usize,
     head_dim: usize,
     elem_bytes: usize,
+    acc_in_regs: bool,
 ) -> usize {
-    let bytes = match kernel {
-        TileKernel::Forward => shared_bytes,
-        TileKernel::Dq => dq_shared_bytes,
-        TileKernel::DkDv => dkdv_shared_bytes,
-    };
-    bytes(planes, stream_frags, head_dim, elem_bytes)
+    match kernel {
+        TileKernel::Forward => shared_bytes(planes, stream_frags, head_dim, elem_bytes),
+        TileKernel::Dq => dq_shared_bytes(planes, stream_frags, head_dim, elem_bytes, acc_in_regs),
+        TileKernel::DkDv => {
+            dkdv_shared_bytes(planes, stream_frags, head_dim, elem_bytes, acc_in_regs)
+        }
+    }
 }
 
 /// The tile kernels, for choosing the cube shape each fits in shared memory.
@@ -211,14 +215,16 @@ pub(crate) fn plan_tiles(
         return None;
     }
     let budget = device_shared_bytes.min(TILES_SHARED_CAP);
-    let (planes, stream_frags) = shape_that_fits(forced, kernel, head_dim, dtype.size(), budget)?;
+    let acc_in_regs = accumulators == AccumulatorPlace::Registers;
+    let (planes, stream_frags) =
+        shape_that_fits(forced, kernel, head_dim, dtype.size(), acc_in_regs, budget)?;
     Some(TilePlan {
         planes,
         stream_frags,
         plane_dim: if has_cmma { plane_dim } else { EMULATED_PLANE },
         use_cmma: has_cmma,
         warp_sync: cuda,
-        acc_in_regs: accumulators == AccumulatorPlace::Registers,
+        acc_in_regs,
     })
 }
 
@@ -229,10 +235,11 @@ fn shape_that_fits(
     kernel: TileKernel,
     head_dim: usize,
     elem_bytes: usize,
+    acc_in_regs: bool,
     budget: usize,
 ) -> Option<(usize, usize)> {
     let fits = |&(planes, frags): &(usize, usize)| {
-        tile_shared_bytes(kernel, planes, frags, head_dim, elem_bytes) <= budget
+        tile_shared_bytes(kernel, planes, frags, head_dim, elem_bytes, acc_in_regs) <= budget
     };
     match forced {
         Some(shape) => Some((shape.planes, shape.stream_frags)).filter(fits),

@@ -2,13 +2,17 @@
 //! the preference list.
 
 use super::*;
+use crate::cube::tiles::ROW_PAD;
 
 const KERNELS: [TileKernel; 3] = [TileKernel::Forward, TileKernel::Dq, TileKernel::DkDv];
 
 /// Hopper's shared memory after opt-in.
 const HOPPER_SHARED: usize = 227 * 1024;
 
-fn plan(
+/// The plan on a CUDA device with tensor cores, 32-lane planes and `budget` bytes of shared
+/// memory, for bf16 inputs.
+fn plan_in(
+    place: AccumulatorPlace,
     kernel: TileKernel,
     forced: Option<TileShape>,
     budget: usize,
@@ -17,13 +21,29 @@ fn plan(
     plan_tiles(
         AttentionKernel::Auto,
         forced,
-        AccumulatorPlace::default(),
+        place,
         true,
         true,
         32,
         budget,
         kernel,
         DType::BF16,
+        head_dim,
+    )
+}
+
+/// [`plan_in`] with the default accumulator place.
+fn plan(
+    kernel: TileKernel,
+    forced: Option<TileShape>,
+    budget: usize,
+    head_dim: usize,
+) -> Option<TilePlan> {
+    plan_in(
+        AccumulatorPlace::default(),
+        kernel,
+        forced,
+        budget,
         head_dim,
     )
 }
@@ -37,7 +57,8 @@ fn every_half_head_dim_up_to_128_fits_cuda_shared_memory() {
         for kernel in KERNELS {
             let p = plan(kernel, None, HOPPER_SHARED, head_dim)
                 .unwrap_or_else(|| panic!("{kernel:?} at head dim {head_dim}: no plan"));
-            let bytes = tile_shared_bytes(kernel, p.planes, p.stream_frags, head_dim, 2);
+            let bytes =
+                tile_shared_bytes(kernel, p.planes, p.stream_frags, head_dim, 2, p.acc_in_regs);
             assert!(
                 bytes <= TILES_SHARED_CAP,
                 "{kernel:?} {head_dim}: {bytes} B"
@@ -53,11 +74,11 @@ fn shape_choice_stays_within_the_budget_and_follows_the_preference() {
     for kernel in KERNELS {
         for budget in [16 * 1024, 32 * 1024, 48 * 1024, TILES_SHARED_CAP] {
             for head_dim in (FRAG..=128).step_by(FRAG) {
-                for elem in [2, 4] {
-                    let bytes = |p, f| tile_shared_bytes(kernel, p, f, head_dim, elem);
+                for (elem, regs) in [(2, true), (2, false), (4, true), (4, false)] {
+                    let bytes = |p, f| tile_shared_bytes(kernel, p, f, head_dim, elem, regs);
                     assert!(bytes(2, 1) > bytes(1, 1));
                     assert!(bytes(1, 2) > bytes(1, 1));
-                    let chosen = shape_that_fits(None, kernel, head_dim, elem, budget);
+                    let chosen = shape_that_fits(None, kernel, head_dim, elem, regs, budget);
                     let first = TILE_SHAPES.iter().position(|&(p, f)| bytes(p, f) <= budget);
                     assert_eq!(chosen, first.map(|i| TILE_SHAPES[i]));
                     if let Some((p, f)) = chosen {
@@ -67,17 +88,40 @@ fn shape_choice_stays_within_the_budget_and_follows_the_preference() {
             }
         }
     }
-    // lavapipe's 32 KiB: the f16 forward at head dim 128 runs one plane with 16-key tiles,
-    // the f16 dK/dV (two f32 accumulators) does not fit (the wgpu_tiles test relies on
-    // both).
-    assert_eq!(
-        shape_that_fits(None, TileKernel::Forward, 128, 2, 32 * 1024),
-        Some((1, 1))
-    );
-    assert_eq!(
-        shape_that_fits(None, TileKernel::DkDv, 128, 2, 32 * 1024),
-        None
-    );
+    // lavapipe's 32 KiB at head dim 128 in f16: the forward runs one plane with 16-key
+    // tiles; so does dK/dV with its accumulators in registers, while its two f32 blocks in
+    // shared memory do not fit (the wgpu_tiles test relies on all three).
+    let lavapipe = |kernel, regs| shape_that_fits(None, kernel, 128, 2, regs, 32 * 1024);
+    assert_eq!(lavapipe(TileKernel::Forward, true), Some((1, 1)));
+    assert_eq!(lavapipe(TileKernel::DkDv, true), Some((1, 1)));
+    assert_eq!(lavapipe(TileKernel::DkDv, false), None);
+}
+
+/// Keeping the accumulators in registers frees the backward kernels' f32 blocks (one
+/// padded row per owned row and head column: dQ's, or dK's and dV's) and leaves the
+/// forward's, which its rescale needs, in place.
+#[test]
+fn registers_free_the_backward_accumulator_blocks() {
+    for head_dim in (FRAG..=128).step_by(FRAG) {
+        for (planes, frags) in TILE_SHAPES {
+            let bytes = |k, regs| tile_shared_bytes(k, planes, frags, head_dim, 2, regs);
+            let block = planes * FRAG * (head_dim + ROW_PAD) * 4;
+            // The formula still counts the one-element array the kernel declares instead.
+            let freed = |blocks: usize| blocks * block - blocks * 4;
+            assert_eq!(
+                bytes(TileKernel::Forward, false),
+                bytes(TileKernel::Forward, true)
+            );
+            assert_eq!(
+                bytes(TileKernel::Dq, false) - bytes(TileKernel::Dq, true),
+                freed(1)
+            );
+            assert_eq!(
+                bytes(TileKernel::DkDv, false) - bytes(TileKernel::DkDv, true),
+                freed(2)
+            );
+        }
+    }
 }
 
 /// A forced shape is taken as it is where it fits, and refused (portable kernel) where it
@@ -93,42 +137,37 @@ fn a_forced_shape_is_used_or_refused() {
     assert_eq!(TileShape::new(1, TileShape::MAX + 1), None);
 }
 
-/// The shapes Hopper gets at the production head dimension, printed for the record and
-/// pinned so that a change to the preference or the cap is a visible decision.
+/// The shapes Hopper gets at the production head dimension, for both accumulator places,
+/// printed for the record and pinned so that a change to the preference or the cap is a
+/// visible decision.
 #[test]
 fn hopper_bf16_head_dim_128_shapes() {
-    let shapes = KERNELS.map(|k| {
-        let p = plan(k, None, HOPPER_SHARED, 128).expect("plan");
-        (p.planes, p.stream_frags)
-    });
-    for (k, (p, f)) in KERNELS.iter().zip(shapes) {
-        println!(
-            "{k:?}: {p} planes, {} streamed rows, {} B",
-            f * FRAG,
-            tile_shared_bytes(*k, p, f, 128, 2)
-        );
-    }
-    assert_eq!(shapes, [(4, 2), (4, 2), (2, 2)]);
+    let shapes = |place| {
+        KERNELS.map(|k| {
+            let p = plan_in(place, k, None, HOPPER_SHARED, 128).expect("plan");
+            let bytes = tile_shared_bytes(k, p.planes, p.stream_frags, 128, 2, p.acc_in_regs);
+            println!(
+                "{place:?} {k:?}: {} planes, {} streamed rows, {bytes} B",
+                p.planes,
+                p.stream_frags * FRAG
+            );
+            (p.planes, p.stream_frags)
+        })
+    };
+    assert_eq!(
+        shapes(AccumulatorPlace::Registers),
+        [(4, 2), (4, 2), (4, 2)]
+    );
+    assert_eq!(shapes(AccumulatorPlace::Shared), [(4, 2), (4, 2), (2, 2)]);
 }
 
 /// The accumulators' place reaches the plan as asked, registers by default.
 #[test]
 fn the_accumulator_place_reaches_the_plan() {
     let in_regs = |place| {
-        plan_tiles(
-            AttentionKernel::Auto,
-            None,
-            place,
-            true,
-            true,
-            32,
-            HOPPER_SHARED,
-            TileKernel::Forward,
-            DType::BF16,
-            128,
-        )
-        .expect("plan")
-        .acc_in_regs
+        plan_in(place, TileKernel::Forward, None, HOPPER_SHARED, 128)
+            .expect("plan")
+            .acc_in_regs
     };
     assert!(in_regs(AccumulatorPlace::Registers));
     assert!(!in_regs(AccumulatorPlace::Shared));

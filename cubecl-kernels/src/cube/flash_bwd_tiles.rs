@@ -5,21 +5,36 @@
 //!
 //! The streamed tiles are `stream_frags × 16` rows wide. Per tile a plane recomputes its
 //! scores and `dP = dO·Vᵀ` as 16×16 fragment products, forms `P = exp(scale·S − lse)` and
-//! `dS = P ∘ (dP − Δ)` with its lanes (rounded to the input type, as the products' operands),
-//! and accumulates `dQ += dS·K`, or `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, into f32 blocks, the
-//! whole tile as the inner dimension of one product per 16 output columns. The blocks stay in
-//! accumulator fragments for the whole loop by default, else in shared memory (see
-//! [`super::row_acc`]); no rescale is needed here, so they reach shared memory once. With
+//! `dS = scale · P ∘ (dP − Δ)` with its lanes (rounded to the input type, as the products'
+//! operands; the softmax scale is folded into dS so the blocks hold the gradients
+//! themselves), and accumulates `dQ += dS·K`, or `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, into f32
+//! blocks, the whole tile as the inner dimension of one product per 16 output columns. The
+//! blocks stay in accumulator fragments for the whole loop by default, else in shared memory
+//! (see [`super::row_acc`]); no rescale is needed here, so they reach shared memory once, at
+//! the end, rounded to the input type in the plane's own rows of Q (dQ) or K and V (dK, dV),
+//! which the kernel no longer needs then. With
 //! `use_cmma = false` the products are computed by the lanes from the same operands (see
 //! [`super::tiles`]).
 
 use cubecl::prelude::*;
 
 use super::flash_fwd::visible;
-use super::row_acc::{row_block_acc_add, row_block_acc_to_shared, row_block_acc_zeroed, RowBlock};
+use super::row_acc::{row_block_acc_add, row_block_acc_write_rows, row_block_acc_zeroed, RowBlock};
 use super::tiles::{
     rows_dot_rows, stage_rows_unrolled, stage_values, sync_plane_data, ALIGN, FRAG, ROW_PAD,
 };
+
+/// Floats of one accumulator block's place in shared memory: `rows` padded rows, or, when
+/// the block lives in registers, none (CubeCL drops the one-element array the kernels then
+/// declare, which is counted anyway): the block reaches global memory through the plane's
+/// own rows of an input tile (see [`row_block_acc_write_rows`]).
+fn accumulator_floats(rows: usize, padded_row: usize, acc_in_regs: bool) -> usize {
+    if acc_in_regs {
+        1
+    } else {
+        rows * padded_row
+    }
+}
 
 /// Shared memory the dQ kernel declares, in bytes, for `planes` planes and key tiles of
 /// `kv_frags × 16` keys.
@@ -28,11 +43,12 @@ pub(crate) fn dq_shared_bytes(
     kv_frags: usize,
     head_dim: usize,
     elem_bytes: usize,
+    acc_in_regs: bool,
 ) -> usize {
     let (rows, tile) = (planes * FRAG, kv_frags * FRAG);
     let (hp, tp) = (head_dim + ROW_PAD, tile + ROW_PAD);
     let halves = 2 * rows * hp + 2 * tile * hp + rows * tp;
-    let floats = 2 * rows * tp + rows * hp + 2 * rows;
+    let floats = 2 * rows * tp + accumulator_floats(rows, hp, acc_in_regs) + 2 * rows;
     halves * elem_bytes + floats * 4 + 10 * ALIGN
 }
 
@@ -43,11 +59,12 @@ pub(crate) fn dkdv_shared_bytes(
     q_frags: usize,
     head_dim: usize,
     elem_bytes: usize,
+    acc_in_regs: bool,
 ) -> usize {
     let (rows, tile) = (planes * FRAG, q_frags * FRAG);
     let (hp, tp) = (head_dim + ROW_PAD, tile + ROW_PAD);
     let halves = 2 * rows * hp + 2 * tile * hp + 2 * rows * tp;
-    let floats = 2 * rows * tp + 2 * rows * hp + 2 * tile;
+    let floats = 2 * rows * tp + 2 * accumulator_floats(rows, hp, acc_in_regs) + 2 * tile;
     halves * elem_bytes + floats * 4 + 12 * ALIGN
 }
 
@@ -108,7 +125,9 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     let mut s_s = SharedMemory::<f32>::new_aligned(planes * FRAG * kvp, ALIGN);
     let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * kvp, ALIGN);
     let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * kvp, ALIGN);
-    let mut dq_s = SharedMemory::<f32>::new_aligned(planes * FRAG * hp, ALIGN);
+    // dQ's place in shared memory, needed only when it does not live in registers.
+    let acc_len = comptime!(accumulator_floats(planes * FRAG, hp, acc_in_regs));
+    let mut dq_s = SharedMemory::<f32>::new_aligned(acc_len, ALIGN);
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
 
@@ -185,7 +204,7 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
                 has_mask,
             ) {
                 let p = (s_s[at] * scale - lse_s[r]).exp();
-                ds = p * (dp_s[at] - delta_s[r]);
+                ds = p * (dp_s[at] - delta_s[r]) * scale;
             }
             ds_s[at] = F::cast_from(ds);
             e += plane_dim;
@@ -208,17 +227,20 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
         sync_cube();
     }
 
-    row_block_acc_to_shared(&dq_acc, &mut dq_s, own, block);
-    sync_plane_data(warp_sync);
-    let mut e = lane;
-    while e < FRAG * head_dim {
-        let row = q0 + plane * FRAG + e / head_dim;
-        if row < seq_q {
-            dq[q_base + row * head_dim + e % head_dim] =
-                F::cast_from(dq_s[own + (e / head_dim) * hp + e % head_dim] * scale);
-        }
-        e += plane_dim;
-    }
+    // The plane's own query rows are free now: they stage dQ when it lives in registers.
+    row_block_acc_write_rows::<F>(
+        &dq_acc,
+        &dq_s,
+        own,
+        &mut q_s,
+        own,
+        dq,
+        q_base,
+        q0 + plane * FRAG,
+        seq_q,
+        warp_sync,
+        block,
+    );
 }
 
 /// dK/dV kernel: layouts as [`flash_dq_tiles_kernel`]; one cube per `planes·16` key rows and
@@ -279,8 +301,10 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     let mut dp_s = SharedMemory::<f32>::new_aligned(planes * FRAG * qp, ALIGN);
     let mut p_s = SharedMemory::<F>::new_aligned(planes * FRAG * qp, ALIGN);
     let mut ds_s = SharedMemory::<F>::new_aligned(planes * FRAG * qp, ALIGN);
-    let mut dk_s = SharedMemory::<f32>::new_aligned(planes * FRAG * hp, ALIGN);
-    let mut dv_s = SharedMemory::<f32>::new_aligned(planes * FRAG * hp, ALIGN);
+    // dK's and dV's places in shared memory, needed only when they do not live in registers.
+    let acc_len = comptime!(accumulator_floats(planes * FRAG, hp, acc_in_regs));
+    let mut dk_s = SharedMemory::<f32>::new_aligned(acc_len, ALIGN);
+    let mut dv_s = SharedMemory::<f32>::new_aligned(acc_len, ALIGN);
     let mut lse_s = SharedMemory::<f32>::new(block_q);
     let mut delta_s = SharedMemory::<f32>::new(block_q);
 
@@ -352,7 +376,7 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
             let mut ds = f32::new(0.0);
             if visible(mask, batch, q0 + i, key, seq_q, seq_k, causal, has_mask) {
                 p = (s_s[at] * scale - lse_s[i]).exp();
-                ds = p * (dp_s[at] - delta_s[i]);
+                ds = p * (dp_s[at] - delta_s[i]) * scale;
             }
             p_s[at] = F::cast_from(p);
             ds_s[at] = F::cast_from(ds);
@@ -386,17 +410,13 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
         sync_cube();
     }
 
-    row_block_acc_to_shared(&dk_acc, &mut dk_s, own, block);
-    row_block_acc_to_shared(&dv_acc, &mut dv_s, own, block);
-    sync_plane_data(warp_sync);
-    let mut e = lane;
-    while e < FRAG * head_dim {
-        let key = k0 + plane * FRAG + e / head_dim;
-        if key < seq_k {
-            let at = kv_base + key * head_dim + e % head_dim;
-            dk[at] = F::cast_from(dk_s[own + (e / head_dim) * hp + e % head_dim] * scale);
-            dv[at] = F::cast_from(dv_s[own + (e / head_dim) * hp + e % head_dim]);
-        }
-        e += plane_dim;
-    }
+    // The plane's own key and value rows are free now: they stage dK and dV when those
+    // live in registers.
+    let row0 = k0 + plane * FRAG;
+    row_block_acc_write_rows::<F>(
+        &dk_acc, &dk_s, own, &mut k_s, own, dk, kv_base, row0, seq_k, warp_sync, block,
+    );
+    row_block_acc_write_rows::<F>(
+        &dv_acc, &dv_s, own, &mut v_s, own, dv, kv_base, row0, seq_k, warp_sync, block,
+    );
 }

@@ -7,13 +7,16 @@
 //! the block stays in `head_dim / 16` accumulator fragments for the whole loop (on devices
 //! without tensor cores: in the lanes' registers, laid out as the portable fragment products
 //! lay out their elements) and reaches shared memory only when the kernel must see its
-//! values: the forward's rare rescale, and the end. The kernels call the same functions for
-//! both places, so the CPU tests run the control flow of each.
+//! values: the forward's rare rescale, and the end, where the backward kernels round it to
+//! the input type in their fragments and stage it in input rows they no longer need, so they
+//! declare no f32 block for it. The kernels call the same functions for both places, so the
+//! CPU tests run the control flow of each.
 
 use cubecl::prelude::*;
 
 use super::tiles::{
-    accumulate_block_times_rows, accumulator_fragment, operand_fragment, FRAG, ROW_PAD,
+    accumulate_block_times_rows, accumulator_fragment, operand_fragment, sync_plane_data, FRAG,
+    ROW_PAD,
 };
 
 /// The comptime facts every operation on one plane's accumulator block needs.
@@ -63,7 +66,8 @@ pub(crate) struct RowBlockAcc {
 
 /// A zeroed accumulator block. The block's place in shared memory, `c` from `c_off` with
 /// row stride `block.stride`, is zeroed when it lives there and is otherwise only written by
-/// [`row_block_acc_to_shared`]. Every lane of the plane must call it.
+/// [`row_block_acc_to_shared`] (the backward kernels, which never call that, then declare
+/// one element for it). Every lane of the plane must call it.
 #[cube]
 pub(crate) fn row_block_acc_zeroed(
     c: &mut SharedMemory<f32>,
@@ -190,29 +194,88 @@ pub(crate) fn row_block_acc_to_shared(
     #[comptime] block: RowBlock,
 ) {
     if block.in_regs {
-        if block.use_cmma {
-            #[unroll]
-            for f in 0..block.head_dim / FRAG {
-                cmma::store(
-                    &mut c.slice_mut(c_off + f * FRAG, c.len()),
-                    acc.frags.index(f),
-                    block.stride as u32,
-                    cmma::MatrixLayout::RowMajor,
-                );
-            }
-        } else {
-            let lane = UNIT_POS_X as usize;
-            let per_lane = comptime!(elements_per_lane(block.plane_dim));
-            for f in 0..block.head_dim / FRAG {
-                for j in 0..per_lane {
-                    let e = lane + j * block.plane_dim;
-                    if e < FRAG * FRAG {
-                        c[c_off + (e / FRAG) * block.stride + f * FRAG + e % FRAG] =
-                            acc.regs[f * per_lane + j];
-                    }
+        store_block_as::<f32>(acc, c, c_off, block);
+    }
+}
+
+/// Stores a block that lives in registers, rounded to `S`, to `dst` from `dst_off` with the
+/// block's row stride.
+#[cube]
+fn store_block_as<S: Float>(
+    acc: &RowBlockAcc,
+    dst: &mut SharedMemory<S>,
+    dst_off: usize,
+    #[comptime] block: RowBlock,
+) {
+    if block.use_cmma {
+        #[unroll]
+        for f in 0..block.head_dim / FRAG {
+            // The identity for `S = f32`.
+            let rounded = cmma::cast::<f32, S>(acc.frags.index(f));
+            cmma::store(
+                &mut dst.slice_mut(dst_off + f * FRAG, dst.len()),
+                &rounded,
+                block.stride as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+        }
+    } else {
+        let lane = UNIT_POS_X as usize;
+        let per_lane = comptime!(elements_per_lane(block.plane_dim));
+        for f in 0..block.head_dim / FRAG {
+            for j in 0..per_lane {
+                let e = lane + j * block.plane_dim;
+                if e < FRAG * FRAG {
+                    dst[dst_off + (e / FRAG) * block.stride + f * FRAG + e % FRAG] =
+                        S::cast_from(acc.regs[f * per_lane + j]);
                 }
             }
         }
+    }
+}
+
+/// Writes the plane's finished block, rounded to `F`, to the row-major `head_dim`-wide rows
+/// of `out`: block row `r` is row `row0 + r`, which starts at element
+/// `out_base + (row0 + r) · head_dim`, and rows from `rows_end` on (past the sequence) are
+/// left out. A block in shared memory is read from `c` at `c_off`. A block in registers is
+/// rounded to `F` in its fragments and passes through `stage` from `stage_off` (16 rows
+/// with the block's row stride), so that a kernel keeping its accumulators in registers
+/// declares no f32 block of shared memory for them: it lends the plane's own rows of an
+/// input tile, free once the streamed loop has ended. Every lane of the plane must call it,
+/// after the plane's last use of `stage` and its last change to `c`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn row_block_acc_write_rows<F: Float>(
+    acc: &RowBlockAcc,
+    c: &SharedMemory<f32>,
+    c_off: usize,
+    stage: &mut SharedMemory<F>,
+    stage_off: usize,
+    out: &mut Tensor<F>,
+    out_base: usize,
+    row0: usize,
+    rows_end: usize,
+    #[comptime] warp_sync: bool,
+    #[comptime] block: RowBlock,
+) {
+    let head_dim = block.head_dim;
+    if block.in_regs {
+        store_block_as::<F>(acc, stage, stage_off, block);
+    }
+    sync_plane_data(warp_sync);
+    let mut e = UNIT_POS_X as usize;
+    while e < FRAG * head_dim {
+        let row = row0 + e / head_dim;
+        if row < rows_end {
+            let at = (e / head_dim) * block.stride + e % head_dim;
+            let to = out_base + row * head_dim + e % head_dim;
+            if block.in_regs {
+                out[to] = stage[stage_off + at];
+            } else {
+                out[to] = F::cast_from(c[c_off + at]);
+            }
+        }
+        e += block.plane_dim;
     }
 }
 

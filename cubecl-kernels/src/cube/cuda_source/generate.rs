@@ -125,6 +125,7 @@ impl<R: Runtime> Generator<'_, R> {
             stream_frags,
             d,
             a.dtype.size(),
+            acc_in_regs,
         ));
         let (c, m) = (a.causal, a.has_mask);
         match kernel {

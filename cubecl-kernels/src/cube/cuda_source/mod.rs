@@ -30,7 +30,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures, DialectWmmaCo
 use super::attention::{
     all_tiles_on_tensor_cores, has_tile_fragments, plan_tiles, TileKernel, TilePlan,
 };
-use super::{AccumulatorPlace, AttentionKernel};
+use super::{attention_accumulators, attention_tiles, AttentionKernel};
 use generate::{Attention, Generator};
 
 pub use toolchain::{assemble_with_nvjitlink, compile_with_nvrtc, SassResources};
@@ -67,6 +67,8 @@ impl CudaTarget {
         })
     }
 
+    /// The plan the launchers would make on this GPU under the process's current choices
+    /// ([`super::set_attention_tiles`], [`super::set_attention_accumulators`]).
     fn plan(
         &self,
         choice: AttentionKernel,
@@ -77,8 +79,8 @@ impl CudaTarget {
         let fragments = self.fragments();
         plan_tiles(
             choice,
-            None,
-            AccumulatorPlace::default(),
+            attention_tiles(),
+            attention_accumulators(),
             has_tile_fragments(fragments.iter(), dtype),
             true,
             Self::WARP,
