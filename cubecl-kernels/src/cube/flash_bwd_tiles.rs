@@ -231,7 +231,6 @@ pub(crate) fn flash_dq_tiles_kernel<F: Float>(
     row_block_acc_write_rows::<F>(
         &dq_acc,
         &dq_s,
-        own,
         &mut q_s,
         own,
         dq,
@@ -414,9 +413,9 @@ pub(crate) fn flash_dkdv_tiles_kernel<F: Float>(
     // live in registers.
     let row0 = k0 + plane * FRAG;
     row_block_acc_write_rows::<F>(
-        &dk_acc, &dk_s, own, &mut k_s, own, dk, kv_base, row0, seq_k, warp_sync, block,
+        &dk_acc, &dk_s, &mut k_s, own, dk, kv_base, row0, seq_k, warp_sync, block,
     );
     row_block_acc_write_rows::<F>(
-        &dv_acc, &dv_s, own, &mut v_s, own, dv, kv_base, row0, seq_k, warp_sync, block,
+        &dv_acc, &dv_s, &mut v_s, own, dv, kv_base, row0, seq_k, warp_sync, block,
     );
 }

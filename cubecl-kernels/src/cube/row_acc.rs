@@ -237,20 +237,19 @@ fn store_block_as<S: Float>(
 /// Writes the plane's finished block, rounded to `F`, to the row-major `head_dim`-wide rows
 /// of `out`: block row `r` is row `row0 + r`, which starts at element
 /// `out_base + (row0 + r) · head_dim`, and rows from `rows_end` on (past the sequence) are
-/// left out. A block in shared memory is read from `c` at `c_off`. A block in registers is
-/// rounded to `F` in its fragments and passes through `stage` from `stage_off` (16 rows
-/// with the block's row stride), so that a kernel keeping its accumulators in registers
-/// declares no f32 block of shared memory for them: it lends the plane's own rows of an
-/// input tile, free once the streamed loop has ended. Every lane of the plane must call it,
-/// after the plane's last use of `stage` and its last change to `c`.
+/// left out. A block in shared memory is read from `c`. A block in registers is rounded to
+/// `F` in its fragments and passes through `stage`, so that a kernel keeping its
+/// accumulators in registers declares no f32 block of shared memory for them: it lends the
+/// plane's own rows of an input tile, free once the streamed loop has ended. Both are the
+/// plane's 16 rows from `off` with the block's row stride. Every lane of the plane must call
+/// it, after the plane's last use of `stage` and its last change to `c`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn row_block_acc_write_rows<F: Float>(
     acc: &RowBlockAcc,
     c: &SharedMemory<f32>,
-    c_off: usize,
     stage: &mut SharedMemory<F>,
-    stage_off: usize,
+    off: usize,
     out: &mut Tensor<F>,
     out_base: usize,
     row0: usize,
@@ -260,19 +259,19 @@ pub(crate) fn row_block_acc_write_rows<F: Float>(
 ) {
     let head_dim = block.head_dim;
     if block.in_regs {
-        store_block_as::<F>(acc, stage, stage_off, block);
+        store_block_as::<F>(acc, stage, off, block);
     }
     sync_plane_data(warp_sync);
     let mut e = UNIT_POS_X as usize;
     while e < FRAG * head_dim {
         let row = row0 + e / head_dim;
         if row < rows_end {
-            let at = (e / head_dim) * block.stride + e % head_dim;
+            let at = off + (e / head_dim) * block.stride + e % head_dim;
             let to = out_base + row * head_dim + e % head_dim;
             if block.in_regs {
-                out[to] = stage[stage_off + at];
+                out[to] = stage[at];
             } else {
-                out[to] = F::cast_from(c[c_off + at]);
+                out[to] = F::cast_from(c[at]);
             }
         }
         e += block.plane_dim;
