@@ -13,12 +13,12 @@
 //! torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`),
 //! each process runs its own rank on GPU `LOCAL_RANK % gpus`, the processes connected over
 //! TCP (`TcpComm`, with `NcclComm` layered on it for `--comm nccl`), and world rank 0
-//! reports. On one GPU this is the run shows the schedule, the sharding
-//! and the engine's overheads on real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU
-//! against `--peak-tflops` (the H200's dense bf16 peak by default), the bubble of the measured
-//! step, and the simulator's step time, bubble and MFU for the same layout with one GPU of
-//! `--hardware` per rank. It writes the measured and the simulated timelines (SVG) and the
-//! measured Chrome trace to `--out`.
+//! reports. On one GPU the run shows the schedule, the sharding and the engine's overheads on
+//! real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU against
+//! `--peak-tflops` (by default the bf16 peak of the `--hardware` preset, which `auto` picks
+//! from the GPU's name), the bubble of the measured step, and the simulator's step time, bubble
+//! and MFU for the same layout with one GPU of `--hardware` per rank. It writes the measured
+//! and the simulated timelines (SVG) and the measured Chrome trace to `--out`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -136,11 +136,14 @@ struct Args {
     /// ZeRO level 0–3.
     #[arg(long, default_value_t = 3)]
     zero: u8,
-    /// Peak dense TFLOP/s of the device, the denominator of MFU (H200 SXM bf16: 989).
-    #[arg(long, default_value_t = 989.0)]
-    peak_tflops: f64,
-    /// Simulator hardware preset for the prediction.
-    #[arg(long, default_value = "h200-141gb")]
+    /// Peak dense TFLOP/s of the device, the denominator of MFU (default: the bf16 peak of the
+    /// `--hardware` preset, 989 for an H100 or H200 SXM).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    /// Simulator hardware preset for the prediction (a100-80gb, h100-80gb, h200-141gb), or
+    /// `auto`: the preset of the GPU that `nvidia-smi` names under `--backend cuda`, h200-141gb
+    /// on other backends or a GPU no preset describes (with a warning saying so).
+    #[arg(long, default_value = "auto")]
     hardware: String,
     /// Folder for the timelines and the trace.
     #[arg(long, default_value = "gpu-run-out")]
@@ -161,7 +164,7 @@ fn main() -> std::process::ExitCode {
 }
 
 /// Checks the settings, then trains with ranks as threads or, under a launcher, as processes.
-fn start(args: Args) -> Result<(), Error> {
+fn start(mut args: Args) -> Result<(), Error> {
     use cubecl_kernels::cube::{set_attention_kernel, AttentionKernel};
     set_attention_kernel(match args.attention {
         AttentionChoice::Auto => AttentionKernel::Auto,
@@ -180,6 +183,13 @@ fn start(args: Args) -> Result<(), Error> {
     if args.comm == CommChoice::Nccl && args.backend != BackendChoice::Cuda {
         return Err("--comm nccl needs --backend cuda".into());
     }
+    if let Some(peak) = args.peak_tflops.filter(|p| !(p.is_finite() && *p > 0.0)) {
+        return Err(format!("--peak-tflops {peak}: give the device's positive peak").into());
+    }
+    if args.hardware == "auto" {
+        args.hardware = auto_hardware(args.backend);
+    }
+    HardwareConfig::preset(&args.hardware)?;
     #[cfg(feature = "cuda")]
     if args.backend == BackendChoice::Cuda {
         burn_bfpp::comm::cuda_driver_available()?;
@@ -325,6 +335,38 @@ where
     )
 }
 
+/// The preset `--hardware auto` stands for: GPU 0's, as `nvidia-smi` names it, on CUDA. The
+/// fallback keeps the run going (its measured figures do not depend on it) and says what it
+/// assumed, so an MFU against the wrong peak is never reported silently.
+fn auto_hardware(backend: BackendChoice) -> String {
+    const FALLBACK: &str = "h200-141gb";
+    if backend != BackendChoice::Cuda {
+        return FALLBACK.into();
+    }
+    let query = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=name", "--format=csv,noheader", "-i", "0"])
+        .output();
+    let gpu = match query {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        Ok(out) => format!(
+            "unknown (nvidia-smi: {})",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        Err(e) => format!("unknown (nvidia-smi: {e})"),
+    };
+    match HardwareConfig::preset_for_gpu_name(&gpu) {
+        Some(preset) => preset.into(),
+        None => {
+            eprintln!(
+                "gpu_run: warning: no hardware preset describes GPU {gpu}; simulating \
+                 {FALLBACK} and taking its peak for MFU. Pass --hardware and --peak-tflops to \
+                 set them."
+            );
+            FALLBACK.into()
+        }
+    }
+}
+
 /// Model FLOPs of one step by the simulator's formula, so measured and predicted MFU count the
 /// same work.
 fn shape(args: &Args) -> GptShape {
@@ -406,10 +448,9 @@ where
     };
     let program = cfg.program()?;
     // Predict first: a layout the simulator cannot cost is refused before any training.
-    let mut sim_cfg = SimConfig::new(
-        ModelConfig::Gpt(shape(args)),
-        HardwareConfig::preset(&args.hardware)?,
-    );
+    let hardware = HardwareConfig::preset(&args.hardware)?;
+    let peak_tflops = args.peak_tflops.unwrap_or(hardware.peak_flops / 1e12);
+    let mut sim_cfg = SimConfig::new(ModelConfig::Gpt(shape(args)), hardware);
     sim_cfg.dp = args.dp;
     sim_cfg.micro_batch_size = args.micro_batch_size;
     sim_cfg.zero = zero;
@@ -522,7 +563,7 @@ where
     println!(
         "{:<28} {:>13.4}% {:>21.4}%",
         "MFU",
-        100.0 * tflops / args.peak_tflops,
+        100.0 * tflops / peak_tflops,
         100.0 * predicted.mfu
     );
     let bubble = profile.as_ref().map_or(f64::NAN, |p| p.bubble_fraction);
@@ -533,7 +574,7 @@ where
     println!(
         "measured: {ranks} on {} device(s) (ranks sharing a device take turns); simulated: \
          one {} per rank. MFU against {:.0} TFLOP/s.",
-        gpus_used, args.hardware, args.peak_tflops
+        gpus_used, args.hardware, peak_tflops
     );
     println!(
         "wrote {}, {}, {}",

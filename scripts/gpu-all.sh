@@ -11,7 +11,7 @@
 #                                         carried; logs go to LOG_DIR (default target/gpu-all)
 #
 # CHECK_S and RUN_S set the budgets in seconds (default 270 each: both scripts are sized to
-# run in under 6 minutes on one H200).
+# run in under 6 minutes on one H200 or H100).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

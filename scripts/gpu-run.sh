@@ -8,7 +8,7 @@
 #                                 target/gpu-run/ carried along: trains the GPT with a
 #                                 breadth-first pipeline of several stages on GPU 0 (ranks as
 #                                 threads sharing it), prints tokens/s, TFLOP/s, MFU against the
-#                                 H200's bf16 peak and the bubble, measured beside the
+#                                 GPU's bf16 peak and the bubble, measured beside the
 #                                 simulator's prediction for the same layout, and writes both
 #                                 timelines to target/gpu-run/out/.
 #

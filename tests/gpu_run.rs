@@ -61,7 +61,8 @@ fn run(args: &[&str]) -> Output {
 fn trains_on_flex_and_reports_measured_beside_simulated() {
     let out = std::env::temp_dir().join(format!("bfpp-gpu-run-{}", std::process::id()));
     let out_arg = out.display().to_string();
-    let result = run(&[TINY_RUN, &["--out", &out_arg]].concat());
+    // A preset other than the default: the MFU's peak must follow it (A100: 312 TFLOP/s).
+    let result = run(&[TINY_RUN, &["--out", &out_arg, "--hardware", "a100-80gb"]].concat());
     let stdout = String::from_utf8_lossy(&result.stdout);
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(result.status.success(), "{stdout}\n{stderr}");
@@ -83,6 +84,10 @@ fn trains_on_flex_and_reports_measured_beside_simulated() {
         assert_eq!(numbers.len(), 2, "measured and simulated in `{line}`");
         assert!(numbers.iter().all(|n| n.is_finite() && *n >= 0.0), "{line}");
     }
+    assert!(
+        stdout.contains("one a100-80gb per rank. MFU against 312 TFLOP/s"),
+        "{stdout}"
+    );
     let tokens: Vec<f64> = stdout
         .lines()
         .find(|l| l.starts_with("tokens/s"))
@@ -110,6 +115,16 @@ fn refuses_bad_settings_with_the_fix() {
     assert!(!result.status.success());
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(stderr.contains("raise --steps"), "{stderr}");
+
+    let result = run(&["--backend", "flex", "--hardware", "tpu-v9"]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(stderr.contains("h100-80gb"), "the valid presets: {stderr}");
+
+    let result = run(&["--backend", "flex", "--peak-tflops", "0"]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(stderr.contains("--peak-tflops 0"), "{stderr}");
 
     let result = run(&["--backend", "flex", "--gpus", "2"]);
     assert!(!result.status.success());

@@ -116,6 +116,26 @@ impl HardwareConfig {
         }
     }
 
+    /// The preset describing a GPU that `nvidia-smi --query-gpu=name` calls `gpu_name`, if one
+    /// does. The presets hold the SXM parts' figures; the PCIe and NVL boards and the GH200
+    /// carry the same chips at lower clocks, power or bandwidth, so they match no preset rather
+    /// than borrow figures that would overstate their peak (and understate MFU).
+    pub fn preset_for_gpu_name(gpu_name: &str) -> Option<&'static str> {
+        let name = gpu_name.to_ascii_uppercase();
+        if ["PCIE", "NVL", "GH200"].iter().any(|v| name.contains(v)) {
+            return None;
+        }
+        if name.contains("H200") {
+            Some("h200-141gb")
+        } else if name.contains("H100") {
+            Some("h100-80gb")
+        } else if name.contains("A100") && name.contains("80GB") {
+            Some("a100-80gb")
+        } else {
+            None
+        }
+    }
+
     /// Parse a hardware description from TOML (every field but `name` required).
     pub fn from_toml_str(text: &str) -> Result<Self, SimError> {
         let hw: HardwareConfig = toml::from_str(text)?;

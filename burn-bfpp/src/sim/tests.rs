@@ -204,6 +204,25 @@ fn presets_load_and_unknown_names_list_the_valid_ones() {
 }
 
 #[test]
+fn gpu_names_map_to_the_presets_of_their_parts_only() {
+    // Names as `nvidia-smi --query-gpu=name` prints them.
+    for (gpu, preset) in [
+        ("NVIDIA H200", Some("h200-141gb")),
+        ("NVIDIA H100 80GB HBM3", Some("h100-80gb")),
+        ("NVIDIA A100-SXM4-80GB", Some("a100-80gb")),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA GH200 480GB", None),
+        ("NVIDIA A100-SXM4-40GB", None),
+        ("NVIDIA A100 80GB PCIe", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ] {
+        assert_eq!(HardwareConfig::preset_for_gpu_name(gpu), preset, "{gpu}");
+    }
+}
+
+#[test]
 fn gpt_formulas_agree_with_each_other() {
     let ModelConfig::Gpt(g) = ModelConfig::preset("gpt-52b").unwrap() else {
         unreachable!()
