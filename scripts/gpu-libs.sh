@@ -67,6 +67,11 @@ gpu_libs() {
             prepend_lib_path "$(dirname "$nvrtc")"
         else
             nvrtc="NOT FOUND (no CUDA toolkit, no PyTorch nvidia wheels): CUDA kernels cannot compile"
+            # Another major version present is the likelier case; name it and the fix.
+            # shellcheck disable=SC2086
+            found=$( (ls /usr/local/cuda/lib64/libnvrtc.so.* 2>/dev/null; \
+                [[ -n "$py_dirs" ]] && find $py_dirs -name 'libnvrtc.so.*' 2>/dev/null) | head -1 || true)
+            [[ -z "$found" ]] || nvrtc="NOT FOUND: only $found, but these binaries load CUDA 13's libnvrtc.so.13; install the CUDA 13 toolkit or PyTorch's CUDA 13 wheels (nvidia/cu13)"
         fi
     fi
     nccl=""
@@ -83,6 +88,13 @@ gpu_libs() {
     fi
     prepend_lib_path "$links"
     cuda_headers
+    # The binaries are built against CUDA 13 (cudarc's newest bindings, NVRTC 13's PTX), which
+    # an older driver cannot run; say so before its errors, which do not.
+    local driver_cuda
+    driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' | head -1)
+    if [[ -n "$driver_cuda" ]] && ((driver_cuda < 13)); then
+        echo "gpu-libs: WARNING: the driver supports CUDA $driver_cuda only; these binaries need a CUDA 13 driver (R580 or newer)" >&2
+    fi
     echo "gpu-libs: nvrtc ${nvrtc:-from the loader path}, nccl ${nccl:-from the loader path}"
     echo "gpu-libs: CUDA_PATH=${CUDA_PATH:-NOT SET (no CUDA headers found: CUDA kernels cannot compile)}"
     echo "gpu-libs: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
