@@ -109,41 +109,28 @@ fn trains_on_flex_and_reports_measured_beside_simulated() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Runs with `args`, which must fail with an error that names `fix`.
+fn assert_refused(args: &[&str], fix: &str) {
+    let result = run(args);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(!result.status.success(), "{args:?} ran: {stderr}");
+    assert!(stderr.contains(fix), "{args:?}: `{fix}` not in: {stderr}");
+}
+
 #[test]
 fn refuses_bad_settings_with_the_fix() {
-    let result = run(&["--backend", "flex", "--steps", "2", "--warmup", "2"]);
-    assert!(!result.status.success());
-    let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(stderr.contains("raise --steps"), "{stderr}");
-
-    let result = run(&["--backend", "flex", "--hardware", "tpu-v9"]);
-    assert!(!result.status.success());
-    let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(stderr.contains("h100-80gb"), "the valid presets: {stderr}");
-
-    let result = run(&["--backend", "flex", "--peak-tflops", "0"]);
-    assert!(!result.status.success());
-    let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(stderr.contains("--peak-tflops 0"), "{stderr}");
-
-    let result = run(&["--backend", "flex", "--gpus", "2"]);
-    assert!(!result.status.success());
-    let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(stderr.contains("--backend cuda only"), "{stderr}");
-
-    let result = run(&["--backend", "flex", "--comm", "nccl"]);
-    assert!(!result.status.success());
-    let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(
-        stderr.contains("--comm nccl needs --backend cuda"),
-        "{stderr}"
+    let flex = |extra: &[&'static str]| [&["--backend", "flex"][..], extra].concat();
+    assert_refused(&flex(&["--steps", "2", "--warmup", "2"]), "raise --steps");
+    // The error lists the valid presets.
+    assert_refused(&flex(&["--hardware", "tpu-v9"]), "h100-80gb");
+    assert_refused(&flex(&["--peak-tflops", "0"]), "--peak-tflops 0");
+    assert_refused(&flex(&["--gpus", "2"]), "--backend cuda only");
+    assert_refused(
+        &flex(&["--comm", "nccl"]),
+        "--comm nccl needs --backend cuda",
     );
-
     if !cfg!(feature = "cuda") {
-        let result = run(&["--backend", "cuda"]);
-        assert!(!result.status.success());
-        let stderr = String::from_utf8_lossy(&result.stderr);
-        assert!(stderr.contains("--features cuda"), "{stderr}");
+        assert_refused(&["--backend", "cuda"], "--features cuda");
     }
 }
 
