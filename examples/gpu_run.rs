@@ -186,14 +186,14 @@ fn start(mut args: Args) -> Result<(), Error> {
     if let Some(peak) = args.peak_tflops.filter(|p| !(p.is_finite() && *p > 0.0)) {
         return Err(format!("--peak-tflops {peak}: give the device's positive peak").into());
     }
-    if args.hardware == "auto" {
-        args.hardware = auto_hardware(args.backend);
-    }
-    HardwareConfig::preset(&args.hardware)?;
     #[cfg(feature = "cuda")]
     if args.backend == BackendChoice::Cuda {
         burn_bfpp::comm::cuda_driver_available()?;
     }
+    if args.hardware == "auto" {
+        args.hardware = auto_hardware(args.backend);
+    }
+    HardwareConfig::preset(&args.hardware)?;
     // One process per rank when a launcher set torchrun's variables, threads otherwise.
     let process = RendezvousEnv::from_env()?.filter(|env| env.world_size > 1);
     match (args.backend, args.comm, process) {
