@@ -2,7 +2,7 @@
 # GPU training run of the reference GPT, in two halves:
 #
 #   scripts/gpu-run.sh build      on the development machine (Rust toolchain, x86-64): builds
-#                                 examples/gpu_run.rs with the CUDA backend into target/gpu-run/.
+#                                 examples/gpu_run/ with the CUDA backend into target/gpu-run/.
 #   scripts/gpu-run.sh [run]      on the GPU machine (no Rust, no network; CUDA driver, NCCL
 #                                 loaded at run time), from the repository root with
 #                                 target/gpu-run/ carried along: trains the GPT with a
@@ -51,7 +51,7 @@ failures=()
 failed() { failures+=("$1"); printf 'gpu-run: FAILED: %s\n' "$1" >&2; }
 
 if [[ "${1:-run}" == "build" ]]; then
-    step "building examples/gpu_run.rs with the CUDA backend (x86-64, no GPU needed to build)"
+    step "building examples/gpu_run/ with the CUDA backend (x86-64, no GPU needed to build)"
     mkdir -p "$OUT"
     cargo build --release --features cuda --example gpu_run
     cp target/release/examples/gpu_run "$OUT/gpu_run"

@@ -1,4 +1,4 @@
-//! `examples/gpu_run.rs`, the program behind `scripts/gpu-run.sh`, run on the CPU backend: the
+//! `examples/gpu_run/`, the program behind `scripts/gpu-run.sh`, run on the CPU backend: the
 //! same code path as on a GPU (pipelined training with ranks sharing one device, measured
 //! figures, simulator prediction, timelines) minus the CUDA device.
 

@@ -20,6 +20,8 @@
 //! and MFU for the same layout with one GPU of `--hardware` per rank. It writes the measured
 //! and the simulated timelines (SVG) and the measured Chrome trace to `--out`.
 
+mod report;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -41,6 +43,7 @@ use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
 use burn_bfpp::sim::{simulate, GptShape, HardwareConfig, ModelConfig, SimConfig};
 use burn_bfpp::viz::{chrome_trace_json, timeline_svg, write_file, Trace};
 use clap::{Parser, ValueEnum};
+use report::{auto_hardware, Measured};
 
 /// Which Burn backend trains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -150,6 +153,7 @@ struct Args {
     out: PathBuf,
 }
 
+/// Any failure of the run, shown to the user by its message.
 type Error = Box<dyn std::error::Error>;
 
 fn main() -> std::process::ExitCode {
@@ -335,38 +339,6 @@ where
     )
 }
 
-/// The preset `--hardware auto` stands for: GPU 0's, as `nvidia-smi` names it, on CUDA. The
-/// fallback keeps the run going (its measured figures do not depend on it) and says what it
-/// assumed, so an MFU against the wrong peak is never reported silently.
-fn auto_hardware(backend: BackendChoice) -> String {
-    const FALLBACK: &str = "h200-141gb";
-    if backend != BackendChoice::Cuda {
-        return FALLBACK.into();
-    }
-    let query = std::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=name", "--format=csv,noheader", "-i", "0"])
-        .output();
-    let gpu = match query {
-        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        Ok(out) => format!(
-            "unknown (nvidia-smi: {})",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ),
-        Err(e) => format!("unknown (nvidia-smi: {e})"),
-    };
-    match HardwareConfig::preset_for_gpu_name(&gpu) {
-        Some(preset) => preset.into(),
-        None => {
-            eprintln!(
-                "gpu_run: warning: no hardware preset describes GPU {gpu}; simulating \
-                 {FALLBACK} and taking its peak for MFU. Pass --hardware and --peak-tflops to \
-                 set them."
-            );
-            FALLBACK.into()
-        }
-    }
-}
-
 /// Model FLOPs of one step by the simulator's formula, so measured and predicted MFU count the
 /// same work.
 fn shape(args: &Args) -> GptShape {
@@ -507,19 +479,7 @@ where
     };
     // Reading the parameters waits for every queued kernel, so the last step's time is real.
     let norm = param_l2_norm(&outcome.model);
-    // When each step ended on the common time axis: its last action on any rank.
-    let mut ends = vec![0f64; args.steps];
-    for event in outcome.timelines.iter().flatten() {
-        if let Some(end) = event.step.checked_sub(1).and_then(|i| ends.get_mut(i)) {
-            *end = end.max(event.end);
-        }
-    }
-    let timed = args.steps - args.warmup;
-    let step_s = match (ends.get(args.warmup.wrapping_sub(1)), ends.last()) {
-        (Some(start), Some(end)) if args.warmup > 0 => (end - start) / timed as f64,
-        (_, Some(end)) => end / timed as f64,
-        _ => return Err("no step reported its time".into()),
-    };
+    let step_s = report::timed_step_seconds(&outcome.timelines, args.steps, args.warmup)?;
     let tokens = (samples * args.seq_len) as f64;
     let flops = shape(args).step_model_flops(samples);
     // Per GPU: the step's model FLOPs shared by the devices the ranks ran on.
@@ -542,34 +502,15 @@ where
         "\nfinal loss {:.4}, parameter L2 norm {norm:.4}",
         outcome.losses.last().copied().unwrap_or(f64::NAN)
     );
-    println!(
-        "{:<28} {:>14} {:>22}",
-        "", "measured", "simulated (1 GPU/rank)"
-    );
-    println!(
-        "{:<28} {:>14.4} {:>22.4}",
-        "step time (s)", step_s, predicted.step_time_s
-    );
-    println!(
-        "{:<28} {:>14.0} {:>22.0}",
-        "tokens/s",
-        tokens / step_s,
-        predicted.tokens_per_s
-    );
-    println!(
-        "{:<28} {:>14.4} {:>22.4}",
-        "model TFLOP/s per GPU", tflops, predicted.tflops_per_gpu
-    );
-    println!(
-        "{:<28} {:>13.4}% {:>21.4}%",
-        "MFU",
-        100.0 * tflops / peak_tflops,
-        100.0 * predicted.mfu
-    );
-    let bubble = profile.as_ref().map_or(f64::NAN, |p| p.bubble_fraction);
-    println!(
-        "{:<28} {:>14.3} {:>22.3}",
-        "bubble (last step)", bubble, predicted.bubble_fraction
+    report::print_comparison(
+        &Measured {
+            step_s,
+            tokens,
+            tflops_per_gpu: tflops,
+            peak_tflops,
+            bubble: profile.as_ref().map_or(f64::NAN, |p| p.bubble_fraction),
+        },
+        &predicted,
     );
     println!(
         "measured: {ranks} on {} device(s) (ranks sharing a device take turns); simulated: \
