@@ -11,7 +11,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn_bfpp::checkpoint::{consolidate, load, param_entries};
-use burn_bfpp::model::{autodiff_lock, flatten_params, Gpt, GptConfig};
+use burn_bfpp::model::{flatten_params, Gpt, GptConfig};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde_json::Value;
 use tempfile::TempDir;
@@ -138,7 +138,6 @@ fn resume_continues_the_run_in_any_layout_and_export_loads_into_plain_burn() {
     let want = consolidate(&loaded).expect("consolidates").params;
     let config: GptConfig = serde_json::from_value(loaded.manifest.model.clone()).expect("gpt");
     let plain = {
-        let _guard = autodiff_lock();
         // A different seed: every value must come from the file.
         let fresh = config
             .init_seeded::<B>(12345, &Default::default())
@@ -260,7 +259,6 @@ fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_ot
     let want = consolidate(&loaded).expect("consolidates").params;
     let config: GptConfig = serde_json::from_value(loaded.manifest.model.clone()).expect("gpt");
     let (from_record, from_tensors) = {
-        let _guard = autodiff_lock();
         // Other seeds than the run's: every value must come from the files.
         let from_record = config
             .init_seeded::<B>(12345, &Default::default())
@@ -305,7 +303,6 @@ fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_ot
     );
     assert_eq!(flat(&from_tensors), flat(&from_record), "and the record's");
     let from_explicit = {
-        let _guard = autodiff_lock();
         let mut model = config
             .init_seeded::<B>(999, &Default::default())
             .expect("model");
@@ -339,7 +336,6 @@ fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_ot
         let other: GptConfig = serde_json::from_value(json).expect("gpt");
         let file = dir.join(format!("other-{field}.safetensors"));
         {
-            let _guard = autodiff_lock();
             let model = other
                 .init_seeded::<B>(7, &Default::default())
                 .expect("model");

@@ -43,9 +43,10 @@ fn temp(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("bfpp-sim-cli-{}-{name}", std::process::id()))
 }
 
-const KEYS: [&str; 11] = [
+const KEYS: [&str; 12] = [
     "all_gathers",
     "bubble_fraction",
+    "comm_bytes",
     "exposed_dp_s",
     "exposed_p2p_s",
     "mfu",
@@ -87,8 +88,18 @@ fn simulate_json_has_exactly_the_issue_keys() {
         .collect();
     keys.sort_unstable();
     assert_eq!(keys, KEYS);
-    for k in ["peak_memory_bytes", "all_gathers", "reduce_scatters"] {
+    for k in [
+        "peak_memory_bytes",
+        "all_gathers",
+        "reduce_scatters",
+        "comm_bytes",
+    ] {
         assert_eq!(doc[k].as_array().unwrap().len(), 4, "{k}: one per rank");
+    }
+    // Every rank gathers, reduces and passes activations on.
+    for bytes in doc["comm_bytes"].as_array().unwrap() {
+        assert!(bytes["data_parallel"].as_u64().unwrap() > 0, "{bytes}");
+        assert!(bytes["pipeline"].as_u64().unwrap() > 0, "{bytes}");
     }
     assert!(doc["step_time_s"].as_f64().unwrap() > 0.0);
     assert!(doc["mfu"].as_f64().unwrap() > 0.0 && doc["mfu"].as_f64().unwrap() < 1.0);

@@ -98,6 +98,9 @@ fn json_report_has_exactly_the_documented_keys() {
         keys,
         [
             "collective_share",
+            "comm_bytes",
+            "host_reads_per_step",
+            "host_transfer_reads",
             "losses",
             "param_l2_norm",
             "peak_param_bytes",

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use burn::module::Module;
 use burn_bfpp::engine::{train_local, EngineConfig};
-use burn_bfpp::model::{autodiff_lock, FusedMode, GptConfig, ModelSplit, PipelineModel};
+use burn_bfpp::model::{FusedMode, GptConfig, ModelSplit, PipelineModel};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
 
@@ -110,7 +110,6 @@ fn fused_ops_match_single_device() {
         ..gpt_config()
     };
     let base = {
-        let _guard = autodiff_lock();
         wide.init_seeded::<B>(7, &Default::default())
             .expect("valid config")
     };

@@ -24,7 +24,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::comm::{CommConfig, MpiComm, RankGrid};
 use burn_bfpp::engine::{train_processes, EngineConfig, StepProfile};
-use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
+use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
 use burn_bfpp::sim::{simulate_costed, CostTable, Dtype, Execution, SimConfig};
@@ -101,7 +101,6 @@ fn bubble_rank_process() {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let model: Gpt<B> = {
-        let _guard = autodiff_lock();
         gpt()
             .init_seeded::<B>(11, &Default::default())
             .expect("valid config")

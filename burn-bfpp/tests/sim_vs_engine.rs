@@ -9,8 +9,7 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::engine::{train_local, EngineConfig, StepProfile, TrainOutcome};
 use burn_bfpp::model::{
-    autodiff_lock, split_model, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel,
-    Targets,
+    split_model, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel, Targets,
 };
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
@@ -34,7 +33,6 @@ fn gpt() -> GptConfig {
 }
 
 fn model() -> Gpt<B> {
-    let _guard = autodiff_lock();
     gpt()
         .init_seeded::<B>(3, &Default::default())
         .expect("valid config")

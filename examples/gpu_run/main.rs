@@ -37,7 +37,7 @@ use burn_bfpp::engine::{
     train_local_with_comms, train_processes, Checkpointing, EngineConfig, EngineError, StepProfile,
     StepReport, TrainOutcome,
 };
-use burn_bfpp::model::{autodiff_lock, Gpt, GptConfig, MicroBatch, ModelSplit};
+use burn_bfpp::model::{Gpt, GptConfig, MicroBatch, ModelSplit};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
 use burn_bfpp::sim::{simulate, GptShape, HardwareConfig, ModelConfig, SimConfig};
@@ -387,10 +387,7 @@ where
         layers: args.layers,
         ..GptConfig::default()
     };
-    let model: Gpt<B> = {
-        let _guard = autodiff_lock();
-        gpt.init_seeded::<B>(0, &device)?
-    };
+    let model: Gpt<B> = { gpt.init_seeded::<B>(0, &device)? };
     let layout = BatchLayout {
         dp: args.dp,
         microbatches: args.microbatches,

@@ -16,7 +16,7 @@ use burn_bfpp::checkpoint::{
 };
 use burn_bfpp::data::{Batcher, DataError};
 use burn_bfpp::engine::{EngineConfig, RankState};
-use burn_bfpp::model::{autodiff_lock, load_flat, Gpt, GptConfig};
+use burn_bfpp::model::{load_flat, Gpt, GptConfig};
 use burn_bfpp::schedule::PipelineSchedule;
 use burn_store::{ApplyError, ModuleSnapshot, SafetensorsStore};
 use clap::Args;
@@ -100,7 +100,6 @@ pub fn prepare<'a>(
         model = match WeightFormat::of_path(file) {
             WeightFormat::Mpk => {
                 let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
-                let _guard = autodiff_lock();
                 model
                     .load_file(file.clone(), &recorder, &Default::default())
                     .map_err(|e| {
@@ -141,7 +140,6 @@ pub fn prepare<'a>(
             TensorData::new(global.params.clone(), [global.params.len()]),
             &Default::default(),
         );
-        let _guard = autodiff_lock();
         model = load_flat(model, &flat)?;
         resume = states;
     }
@@ -222,11 +220,7 @@ fn load_safetensors(model: Gpt<Backend>, file: &Path) -> Result<Gpt<Backend>, Tr
         .validate(false)
         .allow_partial(true);
     let mut model = model;
-    let result = {
-        let _guard = autodiff_lock();
-        model.load_from(&mut store)
-    }
-    .map_err(|e| {
+    let result = { model.load_from(&mut store) }.map_err(|e| {
         TrainError::Checkpoint(CheckpointError::Corrupt {
             path: file.to_path_buf(),
             problem: format!("not a readable safetensors file: {e}"),
@@ -274,19 +268,13 @@ pub fn export(args: &ExportArgs) -> Result<PathBuf, TrainError> {
         })
     })?;
     let global = checkpoint::consolidate(&loaded)?;
-    let model = {
-        let _guard = autodiff_lock();
-        config.init_seeded::<Backend>(loaded.manifest.seed, &Default::default())?
-    };
+    let model = { config.init_seeded::<Backend>(loaded.manifest.seed, &Default::default())? };
     checkpoint::check_model(&loaded, &model_json(&config)?, &param_entries(&model))?;
     let flat = Tensor::<Backend, 1>::from_data(
         TensorData::new(global.params, [loaded.manifest.numel()]),
         &Default::default(),
     );
-    let model = {
-        let _guard = autodiff_lock();
-        load_flat(model, &flat)?
-    };
+    let model = { load_flat(model, &flat)? };
     let format = args
         .format
         .unwrap_or_else(|| WeightFormat::of_path(&args.out));

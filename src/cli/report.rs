@@ -11,7 +11,9 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend as BackendTrait;
 use burn::tensor::Tensor;
 use burn_bfpp::data::BatchLayout;
-use burn_bfpp::engine::{collective_share, EngineConfig, StepReport, TimedEvent, TrainOutcome};
+use burn_bfpp::engine::{
+    collective_share, EngineConfig, StepCounts, StepReport, TimedEvent, TrainOutcome,
+};
 use burn_bfpp::viz;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -362,6 +364,8 @@ pub struct Summary {
     files: TimelineFiles,
     metrics: PathBuf,
     skipped_steps: Vec<usize>,
+    /// Every rank's host reads and bytes sent in the last step.
+    last_step: Vec<StepCounts>,
 }
 
 impl Summary {
@@ -387,14 +391,26 @@ impl Summary {
             files,
             metrics: metrics.to_path_buf(),
             skipped_steps: outcome.skipped_steps.clone(),
+            last_step: outcome.last_step.clone(),
         }
     }
 
     /// The `--json` object: exactly `losses` (`null` for a step whose loss was not
     /// finite), `param_l2_norm`, `tokens_per_s`, `peak_param_bytes`, `collective_share`
-    /// (each rank's share of its list time in data-parallel collectives), `timeline_svg`, `trace_json`
-    /// and `skipped_steps` (steps whose update was skipped, see `--on-nonfinite`).
+    /// (each rank's share of its list time in data-parallel collectives), `timeline_svg`,
+    /// `trace_json`, `skipped_steps` (steps whose update was skipped, see `--on-nonfinite`),
+    /// and for the last step, by world rank: `host_reads_per_step` (synchronising
+    /// device-to-host reads of the engine and the optimizer), `host_transfer_reads` (reads
+    /// that were a host transport's payload) and `comm_bytes` (`{"data_parallel": bytes,
+    /// "pipeline": bytes}` the rank's action list sent).
     pub fn json(&self) -> String {
+        let reads: Vec<u64> = self.last_step.iter().map(|c| c.host_reads).collect();
+        let transfers: Vec<u64> = self
+            .last_step
+            .iter()
+            .map(|c| c.host_transfer_reads)
+            .collect();
+        let bytes: Vec<_> = self.last_step.iter().map(|c| c.comm_bytes).collect();
         let doc = json!({
             "losses": self.losses,
             "skipped_steps": self.skipped_steps,
@@ -404,6 +420,9 @@ impl Summary {
             "collective_share": self.collective_share,
             "timeline_svg": self.files.svg.display().to_string(),
             "trace_json": self.files.trace.display().to_string(),
+            "host_reads_per_step": reads,
+            "host_transfer_reads": transfers,
+            "comm_bytes": bytes,
         });
         format!("{doc}\n")
     }

@@ -13,7 +13,7 @@ use burn::backend::{Autodiff, Flex};
 use burn_bfpp::checkpoint::CheckpointError;
 use burn_bfpp::data::{load_corpus, Batcher, DataError};
 use burn_bfpp::engine::{CheckpointSink, Checkpointing, EngineError, Fault, FaultKind};
-use burn_bfpp::model::{autodiff_lock, ModelError};
+use burn_bfpp::model::ModelError;
 use burn_bfpp::schedule::ScheduleError;
 
 use super::args::TrainArgs;
@@ -168,7 +168,6 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
     let model = {
         // Seeding and drawing use the backend's global random state: no other thread may draw
         // while this runs, and the lock is what the engine's threads take too.
-        let _guard = autodiff_lock();
         cfg.model.init_seeded::<Backend>(cfg.run.seed, &device)?
     };
     let steps = cfg.run.steps;

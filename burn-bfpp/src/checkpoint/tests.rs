@@ -9,9 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use super::*;
 use crate::engine::{train_local_with, Checkpointing, EngineConfig, TrainOutcome};
-use crate::model::{
-    autodiff_lock, flatten_params, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets,
-};
+use crate::model::{flatten_params, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
 use crate::optim::{AdamWSettings, LrSchedule};
 use crate::schedule::{Placement, ScheduleKind, ZeroLevel};
 
@@ -35,7 +33,6 @@ fn gpt_config() -> GptConfig {
 }
 
 fn model() -> Gpt<B> {
-    let _guard = autodiff_lock();
     gpt_config()
         .init_seeded::<B>(7, &Default::default())
         .expect("valid config")

@@ -63,6 +63,17 @@ impl HostBuf {
         }
     }
 
+    /// Elements `range` (row-major) as 1-D tensor data with the original dtype: what travels
+    /// when only a part of a contribution is sent. Half values narrow back exactly.
+    pub(crate) fn slice_data(&self, range: Range<usize>) -> TensorData {
+        let len = range.len();
+        let data = match &self.values {
+            HostValues::F32(v) => TensorData::new(v[range].to_vec(), [len]),
+            HostValues::F64(v) => TensorData::new(v[range].to_vec(), [len]),
+        };
+        data.convert_dtype(self.dtype)
+    }
+
     /// Tensor data with the original dtype, ready to be put on a device.
     pub(crate) fn into_data(self) -> TensorData {
         let data = match self.values {
@@ -113,52 +124,89 @@ fn reduce_slices<E: HostFloat>(parts: &[&[E]], range: Range<usize>, op: ReduceOp
     acc
 }
 
-/// Checks that all parts share the first part's dtype; the error names the offending index.
-fn check_dtypes(parts: &[&HostBuf]) -> Result<DType, (usize, String)> {
-    let dtype = parts.first().map(|p| p.dtype).unwrap_or(DType::F32);
+/// A part of a collective: elements `range` of one member's contribution `buf`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Part<'a> {
+    pub(crate) buf: &'a HostBuf,
+    pub(crate) range: &'a Range<usize>,
+}
+
+impl Part<'_> {
+    fn len(&self) -> usize {
+        self.range.len()
+    }
+}
+
+/// Checks that all parts share the first part's dtype and precision; the error names the
+/// offending index.
+fn check_dtypes(parts: &[Part<'_>]) -> Result<DType, (usize, String)> {
+    let first = parts.first().map(|p| p.buf);
+    let dtype = first.map(|p| p.dtype).unwrap_or(DType::F32);
+    let wide = matches!(first.map(|p| &p.values), Some(HostValues::F64(_)));
     for (i, p) in parts.iter().enumerate() {
-        if p.dtype != dtype {
+        if p.buf.dtype != dtype || matches!(p.buf.values, HostValues::F64(_)) != wide {
             return Err((
                 i,
-                format!("dtype {:?} differs from group rank 0's {dtype:?}", p.dtype),
+                format!(
+                    "dtype {:?} differs from group rank 0's {dtype:?}",
+                    p.buf.dtype
+                ),
+            ));
+        }
+        if p.range.end > p.buf.len() {
+            return Err((
+                i,
+                format!(
+                    "elements {:?} are beyond a contribution of {}",
+                    p.range,
+                    p.buf.len()
+                ),
             ));
         }
     }
     Ok(dtype)
 }
 
-/// Reduces elements `range` of every part (all of equal length and dtype, in group-rank order)
+/// The f32 slices of `parts`; [`check_dtypes`] has checked they all are f32.
+fn f32_slices<'a>(parts: &[Part<'a>]) -> Vec<&'a [f32]> {
+    parts
+        .iter()
+        .map(|p| match &p.buf.values {
+            HostValues::F32(v) => &v[p.range.clone()],
+            HostValues::F64(_) => &[],
+        })
+        .collect()
+}
+
+/// The f64 slices of `parts`; [`check_dtypes`] has checked they all are f64.
+fn f64_slices<'a>(parts: &[Part<'a>]) -> Vec<&'a [f64]> {
+    parts
+        .iter()
+        .map(|p| match &p.buf.values {
+            HostValues::F64(v) => &v[p.range.clone()],
+            HostValues::F32(_) => &[],
+        })
+        .collect()
+}
+
+/// Reduces equal-length parts (all of one dtype, in group-rank order) element by element
 /// into a buffer of shape `shape`. On error, returns the index of the offending part.
 pub(crate) fn reduce(
-    parts: &[&HostBuf],
-    range: Range<usize>,
+    parts: &[Part<'_>],
     op: ReduceOp,
     shape: Vec<usize>,
 ) -> Result<HostBuf, (usize, String)> {
     let dtype = check_dtypes(parts)?;
-    let values = match parts.first().map(|p| &p.values) {
-        Some(HostValues::F64(_)) => {
-            let slices = parts
-                .iter()
-                .map(|p| match &p.values {
-                    HostValues::F64(v) => Ok(v.as_slice()),
-                    HostValues::F32(_) => Err(()),
-                })
-                .collect::<Result<Vec<_>, ()>>()
-                .map_err(|()| (0, "mixed precisions".to_string()))?;
-            HostValues::F64(reduce_slices(&slices, range, op))
-        }
-        _ => {
-            let slices = parts
-                .iter()
-                .map(|p| match &p.values {
-                    HostValues::F32(v) => Ok(v.as_slice()),
-                    HostValues::F64(_) => Err(()),
-                })
-                .collect::<Result<Vec<_>, ()>>()
-                .map_err(|()| (0, "mixed precisions".to_string()))?;
-            HostValues::F32(reduce_slices(&slices, range, op))
-        }
+    let len = parts.first().map_or(0, Part::len);
+    if let Some(i) = parts.iter().position(|p| p.len() != len) {
+        return Err((
+            i,
+            format!("{} elements where group rank 0 has {len}", parts[i].len()),
+        ));
+    }
+    let values = match parts.first().map(|p| &p.buf.values) {
+        Some(HostValues::F64(_)) => HostValues::F64(reduce_slices(&f64_slices(parts), 0..len, op)),
+        _ => HostValues::F32(reduce_slices(&f32_slices(parts), 0..len, op)),
     };
     Ok(HostBuf {
         shape,
@@ -167,34 +215,16 @@ pub(crate) fn reduce(
     })
 }
 
-/// Concatenates 1-D parts (equal dtype) in order. On error, returns the offending index.
-pub(crate) fn concat(parts: &[&HostBuf]) -> Result<HostBuf, (usize, String)> {
+/// Concatenates parts (equal dtype) in order into a buffer of shape `shape`. On error,
+/// returns the offending index.
+pub(crate) fn concat(parts: &[Part<'_>], shape: Vec<usize>) -> Result<HostBuf, (usize, String)> {
     let dtype = check_dtypes(parts)?;
-    let total: usize = parts.iter().map(|p| p.len()).sum();
-    let values = match parts.first().map(|p| &p.values) {
-        Some(HostValues::F64(_)) => {
-            let mut out = Vec::with_capacity(total);
-            for p in parts {
-                match &p.values {
-                    HostValues::F64(v) => out.extend_from_slice(v),
-                    HostValues::F32(_) => return Err((0, "mixed precisions".into())),
-                }
-            }
-            HostValues::F64(out)
-        }
-        _ => {
-            let mut out = Vec::with_capacity(total);
-            for p in parts {
-                match &p.values {
-                    HostValues::F32(v) => out.extend_from_slice(v),
-                    HostValues::F64(_) => return Err((0, "mixed precisions".into())),
-                }
-            }
-            HostValues::F32(out)
-        }
+    let values = match parts.first().map(|p| &p.buf.values) {
+        Some(HostValues::F64(_)) => HostValues::F64(f64_slices(parts).concat()),
+        _ => HostValues::F32(f32_slices(parts).concat()),
     };
     Ok(HostBuf {
-        shape: vec![total],
+        shape,
         dtype,
         values,
     })
@@ -219,14 +249,16 @@ mod tests {
             buf(vec![2.0, 1.0]),
             buf(vec![3.0, -1e8]),
         );
-        let sum = reduce(&[&a, &b, &c], 0..2, ReduceOp::Sum, vec![2]).unwrap();
+        let (all, second) = (0..2, 1..2);
+        let parts = |range| [&a, &b, &c].map(|buf| Part { buf, range });
+        let sum = reduce(&parts(&all), ReduceOp::Sum, vec![2]).unwrap();
         // (1e8 + 1) rounds back to 1e8 in f32, so the order is visible in the result.
         let expected = [(1.0f32 + 2.0) + 3.0, (1e8f32 + 1.0) + -1e8];
         match sum.values {
             HostValues::F32(v) => assert_eq!(v, expected),
             HostValues::F64(_) => panic!("wrong precision"),
         }
-        let mean = reduce(&[&a, &b, &c], 1..2, ReduceOp::Mean, vec![1]).unwrap();
+        let mean = reduce(&parts(&second), ReduceOp::Mean, vec![1]).unwrap();
         match mean.values {
             HostValues::F32(v) => assert_eq!(v, vec![expected[1] / 3.0]),
             HostValues::F64(_) => panic!("wrong precision"),

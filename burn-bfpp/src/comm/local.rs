@@ -12,12 +12,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 
 use super::host::HostBuf;
 use super::mailbox::{Envelope, Handoff, Mailbox, Payload, Shared, Stream};
-use super::pending::{self, Collective, Pending, PostAndCollect, Posted};
-use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
+use super::pending::{
+    self, Collective, PartKey, Pending, PostAndCollect, ReceivedPart, StartOrder,
+};
+use super::{
+    ByteCounter, CommBytes, CommConfig, CommError, CommOp, Communicator, Group, RankGrid, ReduceOp,
+};
+use crate::host_read::{read, ReadPurpose};
 
 /// A rank of a world whose ranks are threads of this process.
 ///
@@ -36,6 +41,10 @@ pub struct LocalComm<B: Backend> {
     /// too (the receiver then gets a tensor on the sender's device, and must move it); set
     /// only by communicators that move them device to device (`NcclComm`).
     cross_device_handoff: bool,
+    /// Payload sent so far.
+    sent: ByteCounter,
+    /// Collectives started and not finished.
+    started: StartOrder,
 }
 
 impl<B: Backend> fmt::Debug for LocalComm<B> {
@@ -88,6 +97,8 @@ impl<B: Backend> LocalComm<B> {
                 config,
                 mbox,
                 cross_device_handoff: false,
+                sent: ByteCounter::default(),
+                started: StartOrder::default(),
             })
             .collect()
     }
@@ -221,15 +232,30 @@ impl<B: Backend> LocalComm<B> {
         Ok(own)
     }
 
+    /// Fails (aborting the world) when `peer` sent `got` where `want` was expected.
+    fn check_dtype(
+        &self,
+        peer: usize,
+        action: CommOp,
+        want: DType,
+        got: DType,
+    ) -> Result<(), CommError> {
+        if want == got {
+            return Ok(());
+        }
+        Err(self.data_error(
+            action,
+            format!("rank {peer} sent {got:?} values where {want:?} was expected"),
+        ))
+    }
+
     /// Reads a tensor back to the host.
     fn read<const D: usize>(
         &self,
         tensor: Tensor<B, D>,
         action: CommOp,
     ) -> Result<TensorData, CommError> {
-        tensor
-            .try_into_data()
-            .map_err(|e| self.data_error(action, e.to_string()))
+        read(tensor, ReadPurpose::Transfer).map_err(|e| self.data_error(action, e.to_string()))
     }
 
     /// Reads a tensor into a shareable collective contribution.
@@ -249,13 +275,18 @@ impl<B: Backend> LocalComm<B> {
         let dtype = data.dtype;
         Tensor::from_data(data, (self.device(), dtype))
     }
+}
 
-    /// The members of `group` other than this rank, in group-rank order.
-    fn others(&self, group: Group) -> Vec<usize> {
-        self.group_members(group)
-            .into_iter()
-            .filter(|&r| r != self.mbox.rank())
-            .collect()
+#[cfg(any(feature = "cuda", test))]
+impl<B: Backend> super::watchdog::FailStop for LocalComm<B> {
+    fn world_rank(&self) -> usize {
+        self.mbox.rank()
+    }
+    fn call_timeout(&self) -> std::time::Duration {
+        self.config.timeout
+    }
+    fn fail_world(&self, err: CommError) -> CommError {
+        self.mbox.fail(err)
     }
 }
 
@@ -268,8 +299,8 @@ impl<B: Backend> PostAndCollect<B> for LocalComm<B> {
         self.mbox.check_abort(action, shape)
     }
 
-    fn skip_seq(&self, group: Group) {
-        self.mbox.next_seq(group);
+    fn next_seq(&self, group: Group) -> u64 {
+        self.mbox.next_seq(group)
     }
 
     fn fail_call(&self, err: CommError) -> CommError {
@@ -286,30 +317,34 @@ impl<B: Backend> PostAndCollect<B> for LocalComm<B> {
 
     fn send_part(
         &self,
-        group: Group,
-        action: CommOp,
-        shape: &[usize],
+        peer: usize,
+        key: &PartKey,
         mine: &Arc<HostBuf>,
-    ) -> Result<u64, CommError> {
-        let payload = Payload::Shared(Arc::clone(mine));
-        self.mbox
-            .post_collective(group, action, shape, payload, &self.others(group))
+        range: std::ops::Range<usize>,
+    ) -> Result<(), CommError> {
+        self.sent.add(key.group, range.len(), mine.dtype);
+        let payload = Payload::Part {
+            shape: key.shape.clone(),
+            buf: Arc::clone(mine),
+            range,
+        };
+        self.mbox.post_part(
+            peer, key.group, key.seq, key.round, key.action, &key.shape, payload,
+        )
     }
 
-    fn receive_parts(&self, posted: &Posted) -> Result<Vec<(usize, Arc<HostBuf>)>, CommError> {
-        let (group, action) = (posted.group, posted.action);
-        let others = self.others(group);
-        let received = self
+    fn start_order(&self) -> &StartOrder {
+        &self.started
+    }
+
+    fn receive_part(&self, peer: usize, key: &PartKey) -> Result<ReceivedPart, CommError> {
+        let env = self
             .mbox
-            .collect(group, action, &posted.shape, posted.seq, &others)?;
-        others
-            .into_iter()
-            .zip(received)
-            .map(|(src, payload)| match payload {
-                Payload::Shared(part) => Ok((src, part)),
-                _ => Err(self.data_error(action, format!("no contribution from rank {src}"))),
-            })
-            .collect()
+            .wait_part(peer, key.group, key.seq, key.round, key.action, &key.shape)?;
+        match env.payload {
+            Payload::Part { shape, buf, range } => Ok(ReceivedPart { shape, buf, range }),
+            _ => Err(self.data_error(key.action, format!("no contribution from rank {peer}"))),
+        }
     }
 }
 
@@ -345,6 +380,9 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
             ));
         }
         let same_device = self.devices[peer] == *self.device();
+        // What a network would carry, also when the tensor is handed over as it is.
+        self.sent
+            .add(Group::Pipeline, shape.iter().product(), tensor.dtype());
         let payload = if (same_device && self.config.same_device_handoff)
             || (!same_device && self.cross_device_handoff)
         {
@@ -380,6 +418,7 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         peer: usize,
         tag: u64,
         shape: [usize; D],
+        dtype: DType,
     ) -> Result<Tensor<B, D>, CommError> {
         let action = CommOp::Recv { tag };
         self.mbox.check_abort(action, &shape)?;
@@ -400,6 +439,7 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
                 if data.shape.as_slice() != shape.as_slice() {
                     return Err(self.shape_mismatch(peer, action, &shape, data.shape.as_slice()));
                 }
+                self.check_dtype(peer, action, dtype, data.dtype)?;
                 Ok(self.build_tensor(data))
             }
             Payload::Handoff(cell) => {
@@ -414,6 +454,7 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
                 if tensor.dims() != shape {
                     return Err(self.shape_mismatch(peer, action, &shape, &tensor.dims()));
                 }
+                self.check_dtype(peer, action, dtype, tensor.dtype())?;
                 if self.devices[peer] == *self.device() {
                     return self.adopt(tensor, action);
                 }
@@ -474,8 +515,15 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
                 .collect();
             if !others.is_empty() {
                 let mine = self.read_host(tensor.clone(), action)?;
+                let len = mine.len();
+                self.sent.add(group, len * others.len(), mine.dtype);
+                let payload = Payload::Part {
+                    shape: shape.clone(),
+                    buf: mine,
+                    range: 0..len,
+                };
                 self.mbox
-                    .exchange(group, action, &shape, Payload::Shared(mine), &others, &[])?;
+                    .exchange(group, action, &shape, payload, &others, &[])?;
             } else {
                 self.mbox.next_seq(group);
             }
@@ -484,7 +532,7 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
         let received =
             self.mbox
                 .exchange(group, action, &shape, Payload::Empty, &[], &[root_rank])?;
-        let Some(Payload::Shared(buf)) = received.into_iter().next() else {
+        let Some(Payload::Part { buf, .. }) = received.into_iter().next() else {
             return Err(self.data_error(action, format!("rank {root_rank} sent no tensor")));
         };
         if buf.shape != shape {
@@ -503,6 +551,10 @@ impl<B: Backend> Communicator<B> for LocalComm<B> {
 
     fn finish(&self, pending: Pending<B>) -> Result<Tensor<B, 1>, CommError> {
         pending::finish(self, pending)
+    }
+
+    fn bytes_sent(&self) -> CommBytes {
+        self.sent.get()
     }
 
     fn abort(&self, cause: &str) {

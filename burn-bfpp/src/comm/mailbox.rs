@@ -104,8 +104,8 @@ impl Drop for Waiting<'_> {
 pub(crate) enum Stream {
     /// Point-to-point messages with one tag.
     P2p(u64),
-    /// Collective messages of one group kind.
-    Collective(Group),
+    /// Round `round` of collective number `seq` on one group kind.
+    Collective(Group, u64, u8),
 }
 
 /// A point-to-point tensor handed over as it is (sender and receiver share a device): the
@@ -143,8 +143,13 @@ pub(crate) enum Payload {
     Tensor(TensorData),
     /// A point-to-point tensor left on the device both ranks share.
     Handoff(Handoff),
-    /// A collective contribution, shared by all receivers.
-    Shared(Arc<HostBuf>),
+    /// Elements `range` of a collective contribution, shared by all receivers (threads share
+    /// memory: only the range is read); `shape` is the sender's input shape.
+    Part {
+        shape: Vec<usize>,
+        buf: Arc<HostBuf>,
+        range: std::ops::Range<usize>,
+    },
     /// No data (barriers, non-root broadcast members never send).
     Empty,
 }
@@ -365,21 +370,61 @@ impl Mailbox {
     ) -> Result<u64, CommError> {
         let seq = self.next_seq(group);
         for &dst in send_to {
-            let env = Envelope {
-                src: self.rank,
-                stream: Stream::Collective(group),
-                seq,
-                op: action,
-                payload: payload.clone(),
-            };
-            self.post(dst, env, shape)?;
+            self.post_part(dst, group, seq, 0, action, shape, payload.clone())?;
         }
         Ok(seq)
     }
 
+    /// Posts `payload` to `dst` as round `round` of collective `seq` on `group`; never blocks.
+    #[allow(clippy::too_many_arguments)] // the message's key, spelled out
+    pub(crate) fn post_part(
+        &self,
+        dst: usize,
+        group: Group,
+        seq: u64,
+        round: u8,
+        action: CommOp,
+        shape: &[usize],
+        payload: Payload,
+    ) -> Result<(), CommError> {
+        let env = Envelope {
+            src: self.rank,
+            stream: Stream::Collective(group, seq, round),
+            seq,
+            op: action,
+            payload,
+        };
+        self.post(dst, env, shape)
+    }
+
+    /// Waits for round `round` of collective `seq` on `group` from `src`; fails if `src`
+    /// issued another collective as its `seq`-th on the group.
+    pub(crate) fn wait_part(
+        &self,
+        src: usize,
+        group: Group,
+        seq: u64,
+        round: u8,
+        action: CommOp,
+        shape: &[usize],
+    ) -> Result<Envelope, CommError> {
+        let stream = Stream::Collective(group, seq, round);
+        let env = self.wait(src, stream, action, shape, Instant::now())?;
+        if env.op != action {
+            return Err(self.fail(CommError::CollectiveMismatch {
+                rank: self.rank,
+                peer: src,
+                action,
+                peer_action: env.op,
+                seq,
+                peer_seq: env.seq,
+            }));
+        }
+        Ok(env)
+    }
+
     /// Waits for the parts of collective `seq` on `group` from each of `recv_from`, in that
-    /// order. A peer's oldest unread message on the group must be that collective: members
-    /// finish collectives in the order they post them.
+    /// order.
     pub(crate) fn collect(
         &self,
         group: Group,
@@ -389,11 +434,11 @@ impl Mailbox {
         recv_from: &[usize],
     ) -> Result<Vec<Payload>, CommError> {
         let started = Instant::now();
-        let stream = Stream::Collective(group);
+        let stream = Stream::Collective(group, seq, 0);
         let mut received = Vec::with_capacity(recv_from.len());
         for &src in recv_from {
             let env = self.wait(src, stream, action, shape, started)?;
-            if env.op != action || env.seq != seq {
+            if env.op != action {
                 return Err(self.fail(CommError::CollectiveMismatch {
                     rank: self.rank,
                     peer: src,

@@ -58,6 +58,8 @@ mod process;
 mod store;
 mod tcp;
 mod threads;
+#[cfg(any(feature = "cuda", test))]
+mod watchdog;
 mod wire;
 
 #[cfg(test)]
@@ -75,10 +77,11 @@ use std::fmt;
 use std::time::Duration;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::{mpi_launch_env, MpiComm, MpiTransport};
+pub use crate::sim::CommBytes;
 pub use error::{CommError, RankError};
 pub use local::LocalComm;
 #[cfg(feature = "cuda")]
@@ -93,7 +96,7 @@ pub use tcp::{TcpComm, TcpTransport, ADVERTISE_ENV};
 pub use threads::{run_ranks, ThreadRank, World};
 
 /// Which of a rank's two groups a collective runs over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Group {
     /// The ranks of one pipeline: same data-parallel index, group rank = pipeline index.
     Pipeline,
@@ -111,7 +114,7 @@ impl fmt::Display for Group {
 }
 
 /// How a reduction combines the members' contributions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ReduceOp {
     /// Element-wise sum, taken in group-rank order.
     Sum,
@@ -129,7 +132,7 @@ impl fmt::Display for ReduceOp {
 }
 
 /// One communication call, as named in errors and checked between collective members.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum CommOp {
     /// Point-to-point send with a tag.
     Send {
@@ -164,6 +167,28 @@ impl fmt::Display for CommOp {
             CommOp::Broadcast(g, root) => write!(f, "broadcast from group rank {root} on the {g}"),
             CommOp::Barrier(g) => write!(f, "barrier on the {g}"),
         }
+    }
+}
+
+/// A counter of [`CommBytes`] a communicator updates as it sends (from `&self`).
+#[derive(Debug, Default)]
+pub(crate) struct ByteCounter(std::cell::Cell<CommBytes>);
+
+impl ByteCounter {
+    /// Counts `elements` values of `dtype` sent on the traffic of `group`.
+    pub(crate) fn add(&self, group: Group, elements: usize, dtype: burn::tensor::DType) {
+        let mut bytes = self.0.get();
+        let n = (elements * dtype.size()) as u64;
+        match group {
+            Group::DataParallel => bytes.data_parallel += n,
+            Group::Pipeline => bytes.pipeline += n,
+        }
+        self.0.set(bytes);
+    }
+
+    /// Everything counted so far.
+    pub(crate) fn get(&self) -> CommBytes {
+        self.0.get()
     }
 }
 
@@ -435,13 +460,43 @@ pub trait Communicator<B: Backend> {
     ) -> Result<(), CommError>;
 
     /// Receives the oldest tensor sent by world rank `peer` with `tag`; its shape must be
-    /// `shape`, which is also what errors report while waiting.
+    /// `shape` and its dtype `dtype` (a device transport allocates the buffer before the data
+    /// arrives), which is also what errors report while waiting.
     fn recv<const D: usize>(
         &self,
         peer: usize,
         tag: u64,
         shape: [usize; D],
+        dtype: DType,
     ) -> Result<Tensor<B, D>, CommError>;
+
+    /// Whether this communicator moves pipeline transfers as device operations that must be
+    /// issued together to be safe ([`Communicator::exchange`]): NCCL's sends and receives
+    /// each wait on the device for their peer, so a rank that sends to and receives from one
+    /// peer at once must post both in one group.
+    fn groups_transfers(&self) -> bool {
+        false
+    }
+
+    /// Point-to-point transfers issued together: every send of `sends` (`(peer, tag,
+    /// tensor)`) and every receive of `recvs` (`(peer, tag, shape, dtype)`), as one group on
+    /// transports that group them (NCCL), so that no order of the peers' own groups can
+    /// deadlock. Returns the received tensors in the order of `recvs`. The default posts the
+    /// sends, then waits for the receives.
+    #[allow(clippy::type_complexity)] // the two lists spelled out are clearer than aliases
+    fn exchange<const D: usize>(
+        &self,
+        sends: Vec<(usize, u64, Tensor<B, D>)>,
+        recvs: &[(usize, u64, [usize; D], DType)],
+    ) -> Result<Vec<Tensor<B, D>>, CommError> {
+        for (peer, tag, tensor) in sends {
+            self.send(peer, tag, tensor)?;
+        }
+        recvs
+            .iter()
+            .map(|&(peer, tag, shape, dtype)| self.recv(peer, tag, shape, dtype))
+            .collect()
+    }
 
     /// Concatenates the members' equal-length 1-D shards in group-rank order; every member
     /// gets the full buffer.
@@ -498,6 +553,10 @@ pub trait Communicator<B: Backend> {
                     .into(),
             })
     }
+
+    /// Payload bytes this rank has sent so far ([`CommBytes`]: elements × the dtype's size,
+    /// whatever the transport adds).
+    fn bytes_sent(&self) -> CommBytes;
 
     /// Stops the whole world: every rank's pending and later calls fail with
     /// [`CommError::PeerFailed`] naming this rank and `cause`. Only the first abort of a world

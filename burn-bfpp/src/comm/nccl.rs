@@ -13,13 +13,23 @@
 //! communicator (NCCL refuses two members on one device) and keeps the host path;
 //! data-parallel groups must span distinct GPUs (checked at creation).
 //!
-//! Pipeline transfers, barriers and failure propagation are the host communicator's. Between
-//! threads on different GPUs the tensor is handed over and peer-copied by the receiver
-//! ([`super::cuda_peer`]); between threads on one GPU it is handed over as it is. Before each
-//! NCCL call the members check through the host communicator that they all issue the same
-//! collective on the same shape, so a mismatched or failed peer is reported by rank and
-//! action instead of hanging the device in NCCL; a peer that dies inside the call ends it at
-//! the timeout, with the communicator aborted.
+//! Pipeline transfers between ranks of a pipeline group on distinct GPUs are NCCL's
+//! point-to-point sends and receives, straight from and into device buffers in the compute
+//! dtype, each batch of a rank's consecutive transfers posted as one NCCL group
+//! ([`Communicator::exchange`]; see `nccl/p2p.rs`). A pipeline group whose ranks share a GPU
+//! keeps the host communicator's transfers: between threads on one GPU the tensor is handed
+//! over as it is, between threads on different GPUs of such a group it is handed over and
+//! peer-copied by the receiver ([`super::cuda_peer`]). Barriers and failure propagation are
+//! the host communicator's.
+//!
+//! Every NCCL wait runs under the watchdog ([`super::watchdog`]): a call that fails, or does
+//! not finish within the timeout because a peer died or stalled, has its communicator
+//! aborted and ends every rank with an error naming this rank and the call. With
+//! `BFPP_DEBUG_COLLECTIVES=1` the members also check through the host communicator, before
+//! each NCCL call, that they all issue the same collective on the same shape (and the same
+//! transfers in the same order), so a mismatch is reported by rank and action instead of
+//! hanging until the watchdog fires; off by default, since it is a blocking host exchange
+//! per call.
 //!
 //! [`Communicator::start`] launches a collective on NCCL and returns without waiting for it
 //! (with [`CommConfig::overlap_collectives`](super::CommConfig::overlap_collectives) on, the
@@ -37,11 +47,12 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use burn::backend::cuda::CudaDevice;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::CudaRuntime;
 
+mod p2p;
 mod setup;
 
 pub use setup::{cuda_driver_available, nccl_available};
@@ -52,10 +63,12 @@ use super::nccl_group::{Launched, NcclFailure, NcclMember};
 use super::nccl_host::NcclHost;
 use super::pending::{Ticket, Unfinished};
 use super::threads::{ThreadRank, World};
+use super::watchdog::await_call;
 use super::{
-    Collective, CommError, CommOp, Communicator, Group, LocalComm, Pending, ProcessRank, RankGrid,
-    ReduceOp,
+    ByteCounter, Collective, CommBytes, CommError, CommOp, Communicator, Group, LocalComm, Pending,
+    ProcessRank, RankGrid, ReduceOp,
 };
+use crate::sim::{collective_bytes, CollectiveKind};
 
 /// Burn's CUDA backend (the CubeCL one, without fusion) with the given element types.
 pub type CudaBackend<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
@@ -78,7 +91,26 @@ pub struct NcclComm<
     /// Collectives [`Communicator::start`] launched and [`Communicator::finish`] has not
     /// handed back (see [`super::launched`]).
     launched: RefCell<LaunchedCalls<Launched>>,
+    /// Groups of point-to-point sends in flight on the pipeline member, oldest first: their
+    /// buffers stay allocated until they finished.
+    sends: RefCell<Vec<Launched>>,
+    /// How many transfers this rank posted to and from each pipeline peer (by world rank),
+    /// checked against the peer's under `BFPP_DEBUG_COLLECTIVES`.
+    transfers: RefCell<std::collections::HashMap<(usize, bool), u64>>,
+    /// Payload sent over NCCL so far (the host counts its own).
+    sent: ByteCounter,
+    /// `BFPP_DEBUG_COLLECTIVES=1`: check every NCCL call's agreement over the host first.
+    debug_calls: bool,
     _elements: PhantomData<CudaBackend<F, I, BT>>,
+}
+
+/// The environment variable that turns on the members' agreement check before every NCCL
+/// call (see the [module docs](self)).
+pub const DEBUG_COLLECTIVES_ENV: &str = "BFPP_DEBUG_COLLECTIVES";
+
+/// Whether [`DEBUG_COLLECTIVES_ENV`] asks for the agreement check.
+fn debug_collectives() -> bool {
+    std::env::var(DEBUG_COLLECTIVES_ENV).is_ok_and(|v| v.trim() == "1")
 }
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement, H: fmt::Debug> fmt::Debug
@@ -120,10 +152,11 @@ where
         }
     }
 
-    /// Launches `call` on `group`'s NCCL member after every member agreed on `action` and the
-    /// input's shape, and once the calls in flight on this rank's other communicator finished
-    /// (so no two of its communicators have calls in flight at once; see
-    /// [`super::nccl_group`]). An NCCL failure aborts the world with an error naming this rank.
+    /// Launches `call` on `group`'s NCCL member once the calls in flight on this rank's other
+    /// communicator finished (so no two of its communicators have calls in flight at once;
+    /// see [`super::nccl_group`]), after every member agreed on `action` and the input's
+    /// shape when [`DEBUG_COLLECTIVES_ENV`] asks for it. Counts the bytes the call sends. An
+    /// NCCL failure aborts the world with an error naming this rank.
     fn launch<const D: usize>(
         &self,
         group: Group,
@@ -132,28 +165,69 @@ where
         call: impl FnOnce(&mut NcclMember, CubeTensor<CudaRuntime>) -> Result<Launched, NcclFailure>,
     ) -> Result<Launched, CommError> {
         let member = self.nccl_member(group, action)?;
-        self.host.agree(group, action, &tensor.dims())?;
+        if self.debug_calls {
+            self.host.agree(group, action, &tensor.dims())?;
+        }
         let other = match group {
             Group::DataParallel => Group::Pipeline,
             Group::Pipeline => Group::DataParallel,
         };
         self.wait_for_newest(other, action)?;
+        self.count_collective(group, action, &tensor.dims(), tensor.dtype());
         let input = tensor.into_primitive().tensor();
         call(&mut member.borrow_mut(), input).map_err(|reason| self.nccl_failed(action, reason))
     }
 
     /// Waits until the calls in flight on `group`'s communicator finished (`action` is the
-    /// call that waits, as errors name it).
+    /// call that waits, as errors name it): its newest collective, and on the pipeline
+    /// member its newest group of sends (calls of one member finish in launch order).
     fn wait_for_newest(&self, group: Group, action: CommOp) -> Result<(), CommError> {
-        let launched = self.launched.borrow();
-        let (Some(newest), Some(member)) = (launched.newest(group), self.member(group)) else {
+        let Some(member) = self.member(group) else {
             return Ok(());
         };
-        let timeout = self.host.config().timeout;
-        member
-            .borrow_mut()
-            .wait_for(newest, timeout)
-            .map_err(|reason| self.nccl_failed(action, reason))
+        let wait = |call: &Launched| self.await_launched(member, action, call);
+        if let Some(newest) = self.launched.borrow().newest(group) {
+            wait(newest)?;
+        }
+        if group == Group::Pipeline {
+            if let Some(newest) = self.sends.borrow().last() {
+                wait(newest)?;
+            }
+            self.sends.borrow_mut().clear();
+        }
+        Ok(())
+    }
+
+    /// Counts what `action` on an input of `dims` and `dtype` sends from this member: NCCL's
+    /// ring volumes ([`crate::sim::collective_bytes`]), the formulas the simulator uses.
+    fn count_collective(&self, group: Group, action: CommOp, dims: &[usize], dtype: DType) {
+        let d = self.group_size(group);
+        let n: usize = dims.iter().product();
+        let ring = |kind, elements: usize| collective_bytes(kind, elements as u64, 1, d) as usize;
+        let elements = match action {
+            CommOp::AllGather(_) => ring(CollectiveKind::AllGather, n * d),
+            CommOp::ReduceScatter(..) => ring(CollectiveKind::ReduceScatter, n),
+            CommOp::AllReduce(..) => ring(CollectiveKind::AllReduce, n),
+            CommOp::Broadcast(_, root) if root == self.group_rank(group) => n * (d - 1),
+            _ => 0,
+        };
+        self.sent.add(group, elements, dtype);
+    }
+
+    /// Waits for `call`, launched by `member`, under the watchdog ([`await_call`]): a
+    /// failure or a timeout aborts the member's communicator and the world, naming this rank
+    /// and `action`.
+    fn await_launched(
+        &self,
+        member: &RefCell<NcclMember>,
+        action: CommOp,
+        call: &Launched,
+    ) -> Result<(), CommError> {
+        let mut member = member.borrow_mut();
+        let mut watched = member
+            .watched(call)
+            .map_err(|reason| self.nccl_failed(action, reason))?;
+        await_call(&self.host, action, &mut watched)
     }
 
     /// Waits for a call `group`'s member launched and returns its output as a tensor.
@@ -163,14 +237,15 @@ where
         action: CommOp,
         call: Launched,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, E>, CommError> {
-        let timeout = self.host.config().timeout;
-        self.nccl_member(group, action)?
-            .borrow_mut()
-            .wait_for(&call, timeout)
-            .map_err(|reason| self.nccl_failed(action, reason))?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(
-            call.into_output(),
-        )))
+        self.await_launched(self.nccl_member(group, action)?, action, &call)?;
+        let output = call.into_outputs().pop().ok_or_else(|| {
+            self.host.fail(CommError::Data {
+                rank: self.host.rank(),
+                action,
+                reason: "the NCCL call returned no output".into(),
+            })
+        })?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
     }
 
     /// `group`'s NCCL member, or (aborting the world) an error naming `action` when the group
@@ -245,6 +320,11 @@ where
 /// aborted first, which ends the calls.
 impl<F: FloatElement, I: IntElement, BT: BoolElement, H> Drop for NcclComm<F, I, BT, H> {
     fn drop(&mut self) {
+        if self.sends.get_mut().iter().any(|call| !call.finished()) {
+            if let Some(pp) = self.pp.as_mut() {
+                pp.get_mut().abort_unfinished();
+            }
+        }
         let launched = self.launched.get_mut();
         if launched.is_empty() {
             return;
@@ -312,6 +392,9 @@ where
         tag: u64,
         tensor: Tensor<CudaBackend<F, I, BT>, D>,
     ) -> Result<(), CommError> {
+        if self.nccl_peer(peer).is_some() {
+            return self.transfer(vec![(peer, tag, tensor)], &[]).map(drop);
+        }
         self.host.send(peer, tag, tensor)
     }
 
@@ -320,8 +403,19 @@ where
         peer: usize,
         tag: u64,
         shape: [usize; D],
+        dtype: DType,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, D>, CommError> {
-        let tensor = self.host.recv(peer, tag, shape)?;
+        if self.nccl_peer(peer).is_some() {
+            let mut got = self.transfer(Vec::new(), &[(peer, tag, shape, dtype)])?;
+            return got.pop().ok_or_else(|| {
+                self.host.fail(CommError::Data {
+                    rank: self.rank(),
+                    action: CommOp::Recv { tag },
+                    reason: format!("nothing received from rank {peer}"),
+                })
+            });
+        }
+        let tensor = self.host.recv(peer, tag, shape, dtype)?;
         if tensor.device() == *self.device() {
             return Ok(tensor);
         }
@@ -335,6 +429,29 @@ where
                 })
             })?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(moved)))
+    }
+
+    fn groups_transfers(&self) -> bool {
+        self.pp.is_some()
+    }
+
+    fn exchange<const D: usize>(
+        &self,
+        sends: Vec<(usize, u64, Tensor<CudaBackend<F, I, BT>, D>)>,
+        recvs: &[(usize, u64, [usize; D], DType)],
+    ) -> Result<Vec<Tensor<CudaBackend<F, I, BT>, D>>, CommError> {
+        let on_nccl = sends.iter().map(|(peer, ..)| *peer);
+        let on_nccl = on_nccl.chain(recvs.iter().map(|(peer, ..)| *peer));
+        if self.pp.is_some() && on_nccl.clone().all(|peer| self.nccl_peer(peer).is_some()) {
+            return self.transfer(sends, recvs);
+        }
+        for (peer, tag, tensor) in sends {
+            self.send(peer, tag, tensor)?;
+        }
+        recvs
+            .iter()
+            .map(|&(peer, tag, shape, dtype)| self.recv(peer, tag, shape, dtype))
+            .collect()
     }
 
     fn all_gather(
@@ -443,6 +560,14 @@ where
             })
         })?;
         self.wait_for(ticket.group, ticket.action, call)
+    }
+
+    fn bytes_sent(&self) -> CommBytes {
+        let (host, own) = (self.host.bytes_sent(), self.sent.get());
+        CommBytes {
+            data_parallel: host.data_parallel + own.data_parallel,
+            pipeline: host.pipeline + own.pipeline,
+        }
     }
 
     fn abort(&self, cause: &str) {

@@ -18,19 +18,20 @@
 //! one's calls before it launches on one, so no two communicators of a rank have calls in
 //! flight at once.
 
-use std::ffi::c_void;
-use std::fmt;
-use std::time::{Duration, Instant};
-
+use burn::backend::cuda::CudaDevice;
 use burn::tensor::DType;
 use burn::tensor::Shape;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
 use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nccl::{result as nccl, sys as nsys};
+use std::ffi::c_void;
+use std::fmt;
 
+use super::watchdog::{CallState, WatchedCall};
 use super::ReduceOp;
 
 /// Why an NCCL call failed, before the caller adds its rank and action.
@@ -64,17 +65,19 @@ impl fmt::Debug for NcclMember {
     }
 }
 
-/// An NCCL call launched on a member's stream; see the [module docs](self). Dropping it
-/// before [`NcclMember::wait_for`] returned releases buffers the call may still use: the
-/// owner aborts the member first (see `NcclComm`'s `Drop`).
+/// NCCL calls launched on a member's stream (one collective, or one group of sends and
+/// receives); see the [module docs](self). Dropping it before [`NcclMember::wait_for`]
+/// returned releases buffers the calls may still use: the owner aborts the member first (see
+/// `NcclComm`'s `Drop`).
 pub(crate) struct Launched {
-    output: CubeTensor<CudaRuntime>,
-    /// Kept until the call finished, with both buffers' bindings in CubeCL's memory pool
+    /// The collective's output, or the receives' buffers in the order they were posted.
+    outputs: Vec<CubeTensor<CudaRuntime>>,
+    /// Kept until the calls finished, with every buffer's binding in CubeCL's memory pool
     /// (while held, an allocation stays where it is and goes to no other tensor; boxed
     /// because CubeCL does not export the binding's type).
-    _input: CubeTensor<CudaRuntime>,
-    _buffers: [Box<dyn std::any::Any + Send>; 2],
-    /// Recorded on the member's stream right after the call.
+    _inputs: Vec<CubeTensor<CudaRuntime>>,
+    _buffers: Vec<Box<dyn std::any::Any + Send>>,
+    /// Recorded on the member's stream right after the calls.
     done: cusys::CUevent,
 }
 
@@ -83,9 +86,17 @@ pub(crate) struct Launched {
 unsafe impl Send for Launched {}
 
 impl Launched {
-    /// The call's output; only to be used once [`NcclMember::wait_for`] returned for it.
-    pub(crate) fn into_output(self) -> CubeTensor<CudaRuntime> {
-        self.output.clone()
+    /// The calls' outputs; only to be used once [`NcclMember::wait_for`] returned for them.
+    pub(crate) fn into_outputs(self) -> Vec<CubeTensor<CudaRuntime>> {
+        self.outputs.clone()
+    }
+
+    /// Whether the calls have finished (a poll of their event; an error counts as finished,
+    /// and the next wait on the member reports it).
+    pub(crate) fn finished(&self) -> bool {
+        // SAFETY: the event was created for these calls and lives as long as they do.
+        let state = unsafe { cusys::cuEventQuery(self.done) };
+        state != cusys::CUresult::CUDA_ERROR_NOT_READY
     }
 }
 
@@ -99,8 +110,9 @@ impl Drop for Launched {
 
 impl fmt::Debug for Launched {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shapes: Vec<_> = self.outputs.iter().map(|t| t.meta.shape()).collect();
         f.debug_struct("Launched")
-            .field("output_shape", &self.output.meta.shape())
+            .field("output_shapes", &shapes)
             .finish()
     }
 }
@@ -350,9 +362,9 @@ impl NcclMember {
         let done = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| format!("cuEventCreate: {e:?}"))?;
         let launched = Launched {
-            output,
-            _input: input,
-            _buffers: [Box::new(send), Box::new(recv)],
+            outputs: vec![output],
+            _inputs: vec![input],
+            _buffers: vec![Box::new(send), Box::new(recv)],
             done,
         };
         call(&args).map_err(|e| format!("launch: {e:?}"))?;
@@ -362,51 +374,117 @@ impl NcclMember {
         Ok(launched)
     }
 
-    /// Polls `call`'s event (launched by this member) until the call finished, NCCL reported
-    /// an error, or `timeout` passed; on error or timeout the communicator is aborted (which
-    /// also ends the kernel waiting for a peer), so this rank never hangs in NCCL.
-    pub(crate) fn wait_for(
-        &mut self,
-        call: &Launched,
-        timeout: Duration,
-    ) -> Result<(), NcclFailure> {
+    /// `call` (launched by this member) as the watchdog polls it (see [`super::watchdog`]):
+    /// its event and the communicator's asynchronous error state; aborting it aborts the
+    /// communicator, which also ends the kernel waiting for a peer, so a rank never hangs in
+    /// NCCL. Fails when the communicator was aborted before.
+    pub(crate) fn watched<'a>(
+        &'a mut self,
+        call: &'a Launched,
+    ) -> Result<impl WatchedCall + 'a, NcclFailure> {
         if self.aborted {
             return Err("the NCCL communicator was aborted by an earlier failure".into());
         }
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(5);
-        loop {
-            // SAFETY: the event is the call's, the communicator this member's, with its
-            // context current.
-            let done = unsafe {
-                let _ = cu::ctx::set_current(self.context);
-                cusys::cuEventQuery(call.done)
-            };
-            match done {
-                cusys::CUresult::CUDA_SUCCESS => return Ok(()),
-                cusys::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(self.abort(format!("CUDA error {other:?}"))),
-            }
-            let mut state = nsys::ncclResult_t::ncclSuccess;
-            // SAFETY: as above.
-            let asked = unsafe { nsys::ncclCommGetAsyncError(self.comm, &mut state) };
-            if asked != nsys::ncclResult_t::ncclSuccess {
-                return Err(self.abort(format!("ncclCommGetAsyncError: {asked:?}")));
-            }
-            if !matches!(
-                state,
-                nsys::ncclResult_t::ncclSuccess | nsys::ncclResult_t::ncclInProgress
-            ) {
-                return Err(self.abort(format!("NCCL reported {state:?}")));
-            }
-            if start.elapsed() > timeout {
-                return Err(self.abort(format!(
-                    "did not complete within {timeout:?} (a member stalled or died)"
-                )));
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+        Ok(Watched { member: self, call })
+    }
+
+    /// Sends each of `sends` (`(tensor, group rank)`) and receives each of `recvs` (`(shape,
+    /// dtype, group rank)`) into fresh buffers on `device`, as one NCCL group (so that no
+    /// order of the peers' own groups can deadlock), on this member's stream; the receives'
+    /// buffers are the call's outputs, in order.
+    pub(crate) fn p2p(
+        &mut self,
+        sends: Vec<(CubeTensor<CudaRuntime>, usize)>,
+        recvs: &[(Shape, DType, usize)],
+        client: &ComputeClient<CudaRuntime>,
+        device: &CudaDevice,
+    ) -> Result<Launched, NcclFailure> {
+        if self.aborted {
+            return Err("the NCCL communicator was aborted by an earlier failure".into());
         }
+        let resource = |t: &CubeTensor<CudaRuntime>| {
+            t.client
+                .get_resource(t.handle.clone())
+                .map_err(|e| format!("device buffer of the tensor: {e:?}"))
+        };
+        let inputs: Vec<_> = sends
+            .into_iter()
+            .map(|(t, peer)| (into_contiguous(t), peer))
+            .collect();
+        let outputs: Vec<_> = recvs
+            .iter()
+            .map(|(shape, dtype, _)| {
+                empty_device_contiguous_dtype(client.clone(), device.clone(), shape.clone(), *dtype)
+            })
+            .collect();
+        let mut buffers: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
+        let mut posts = Vec::new();
+        for (t, peer) in &inputs {
+            let r = resource(t)?;
+            let ptr = r.resource().ptr as *mut c_void;
+            posts.push((
+                true,
+                ptr,
+                t.meta.shape().num_elements(),
+                nccl_type(t.dtype)?,
+                *peer,
+            ));
+            buffers.push(Box::new(r));
+        }
+        for (t, (_, _, peer)) in outputs.iter().zip(recvs) {
+            let r = resource(t)?;
+            let ptr = r.resource().ptr as *mut c_void;
+            posts.push((
+                false,
+                ptr,
+                t.meta.shape().num_elements(),
+                nccl_type(t.dtype)?,
+                *peer,
+            ));
+            buffers.push(Box::new(r));
+        }
+        if let Some((t, _)) = inputs.first() {
+            wait_for_producers(t)?;
+        }
+        // SAFETY: the context was retained at creation.
+        unsafe { cu::ctx::set_current(self.context) }
+            .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+        let done = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| format!("cuEventCreate: {e:?}"))?;
+        let launched = Launched {
+            outputs,
+            _inputs: inputs.into_iter().map(|(t, _)| t).collect(),
+            _buffers: buffers,
+            done,
+        };
+        let stream = self.stream as nsys::cudaStream_t;
+        nccl::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
+        let mut posted = Ok(());
+        for &(is_send, ptr, count, ty, peer) in &posts {
+            // SAFETY: every pointer is a live device buffer of this GPU of `count` elements
+            // of `ty`, held by `launched` until the calls finished; the stream and the
+            // communicator are this member's.
+            let result = unsafe {
+                if is_send {
+                    nccl::send(ptr, count, ty, peer as i32, self.comm, stream)
+                } else {
+                    nccl::recv(ptr, count, ty, peer as i32, self.comm, stream)
+                }
+            };
+            if let Err(e) = result {
+                posted = Err(format!("posting a transfer with group rank {peer}: {e:?}"));
+                break;
+            }
+        }
+        // The group is closed whatever happened inside it (NCCL requires the pairing).
+        let ended = nccl::group_end().map_err(|e| format!("ncclGroupEnd: {e:?}"));
+        if let Err(e) = posted.and(ended) {
+            return Err(self.abort(e));
+        }
+        // SAFETY: the event was created above, the stream is this member's.
+        unsafe { cu::event::record(done, self.stream) }
+            .map_err(|e| self.abort(format!("cuEventRecord after the transfers: {e:?}")))?;
+        Ok(launched)
     }
 
     /// Aborts the communicator, if it is not aborted yet, when calls launched on it are about
@@ -443,6 +521,45 @@ impl Drop for NcclMember {
                 let _ = cu::primary_ctx::release(device);
             }
         }
+    }
+}
+
+/// A launched call of a member, as the watchdog polls it: its event, and NCCL's
+/// asynchronous error state of the member's communicator.
+struct Watched<'a> {
+    member: &'a mut NcclMember,
+    call: &'a Launched,
+}
+
+impl WatchedCall for Watched<'_> {
+    fn state(&mut self) -> CallState {
+        // SAFETY: the event is the call's, the communicator this member's, with its context
+        // current.
+        let done = unsafe {
+            let _ = cu::ctx::set_current(self.member.context);
+            cusys::cuEventQuery(self.call.done)
+        };
+        match done {
+            cusys::CUresult::CUDA_SUCCESS => return CallState::Done,
+            cusys::CUresult::CUDA_ERROR_NOT_READY => {}
+            other => return CallState::Failed(format!("CUDA error {other:?}")),
+        }
+        let mut state = nsys::ncclResult_t::ncclSuccess;
+        // SAFETY: as above.
+        let asked = unsafe { nsys::ncclCommGetAsyncError(self.member.comm, &mut state) };
+        if asked != nsys::ncclResult_t::ncclSuccess {
+            return CallState::Failed(format!("ncclCommGetAsyncError: {asked:?}"));
+        }
+        match state {
+            nsys::ncclResult_t::ncclSuccess | nsys::ncclResult_t::ncclInProgress => {
+                CallState::Running
+            }
+            other => CallState::Failed(format!("NCCL reported {other:?}")),
+        }
+    }
+
+    fn abort(&mut self, reason: String) -> String {
+        self.member.abort(reason)
     }
 }
 

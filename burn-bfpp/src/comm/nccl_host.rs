@@ -9,6 +9,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use crate::host_read::{read, ReadPurpose};
+
 use super::{first_shared_device, CommError, CommOp, Communicator, Group};
 #[cfg(feature = "cuda")]
 use super::{CommConfig, LocalComm};
@@ -20,7 +22,8 @@ pub const NCCL_ID_BYTES: usize = 128;
 /// barriers and failure propagation stay with it, and before each NCCL call the members agree
 /// through it on the call.
 #[cfg(feature = "cuda")]
-pub trait NcclHost<B: Backend>: Communicator<B> {
+#[allow(private_bounds)] // the watchdog's needs are the crate's business
+pub trait NcclHost<B: Backend>: Communicator<B> + super::watchdog::FailStop {
     /// Returns once every member of `group` called it with the same `action` and `shape`;
     /// fails (naming the peer) otherwise, like any collective.
     fn agree(&self, group: Group, action: CommOp, shape: &[usize]) -> Result<(), CommError>;
@@ -182,8 +185,8 @@ fn to_tensor<B: Backend>(values: &[u32], device: &B::Device) -> Tensor<B, 1> {
 
 /// The integers of [`to_tensor`] back from a collective's result.
 fn from_tensor<B: Backend>(tensor: Tensor<B, 1>) -> Result<Vec<u32>, String> {
-    let values = tensor
-        .into_data()
+    let values = read(tensor, ReadPurpose::Sync)
+        .map_err(|e| format!("{e:?}"))?
         .to_vec::<f32>()
         .map_err(|e| format!("{e:?}"))?;
     Ok(values.iter().map(|&v| v as u32).collect())

@@ -30,9 +30,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::host::HostBuf;
-use super::pending::{PostAndCollect, Posted};
+use super::pending::{PartKey, PostAndCollect, ReceivedPart, StartOrder};
 use super::wire::{self, Message, Payload, Stream};
-use super::{CommConfig, CommError, CommOp, Communicator, Group, RankGrid};
+use super::{ByteCounter, CommConfig, CommError, CommOp, Communicator, Group, RankGrid};
+use crate::host_read::{read, ReadPurpose};
 
 /// Longest sleep between two polls of a waiting receive (see [`ProcessComm::wait`]).
 const MAX_NAP: Duration = Duration::from_micros(200);
@@ -115,6 +116,10 @@ pub struct ProcessComm<B: Backend, T: Transport> {
     device: B::Device,
     config: CommConfig,
     state: RefCell<State>,
+    /// Payload sent so far.
+    sent: ByteCounter,
+    /// Collectives started and not finished.
+    started: StartOrder,
     /// Dropped after the state: MPI's transport finalises MPI when dropped.
     transport: RefCell<T>,
 }
@@ -145,6 +150,8 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
             device,
             config,
             state: RefCell::new(State::default()),
+            sent: ByteCounter::default(),
+            started: StartOrder::default(),
             transport: RefCell::new(transport),
         }
     }
@@ -241,7 +248,7 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         peer: usize,
         stream: Stream,
         op: CommOp,
-        payload: &Payload,
+        payload: Payload,
     ) -> Result<(), CommError> {
         let bytes =
             wire::encode_data(stream, op, payload).map_err(|r| self.fail(self.data(op, r)))?;
@@ -310,7 +317,7 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
                 .get_mut(&(peer, stream))
                 .and_then(VecDeque::pop_front);
             if let Some((op, payload)) = found {
-                if let (Stream::Collective(_, seq), false) = (stream, op == action) {
+                if let (Stream::Collective(_, seq, _), false) = (stream, op == action) {
                     return Err(self.fail(CommError::CollectiveMismatch {
                         rank: self.rank,
                         peer,
@@ -366,15 +373,19 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         seq
     }
 
-    fn read_host<const D: usize>(
+    /// Reads a tensor to send; only float tensors travel.
+    fn read_data<const D: usize>(
         &self,
         tensor: Tensor<B, D>,
         action: CommOp,
-    ) -> Result<HostBuf, CommError> {
-        let data = tensor
-            .try_into_data()
+    ) -> Result<TensorData, CommError> {
+        let data = read(tensor, ReadPurpose::Transfer)
             .map_err(|e| self.fail(self.data(action, e.to_string())))?;
-        HostBuf::from_data(data).map_err(|r| self.fail(self.data(action, r)))
+        if !data.dtype.is_float() {
+            let reason = format!("expected float data, got {:?}", data.dtype);
+            return Err(self.fail(self.data(action, reason)));
+        }
+        Ok(data)
     }
 
     fn build_tensor<const D: usize>(&self, data: TensorData) -> Tensor<B, D> {
@@ -388,20 +399,33 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         peer: usize,
         action: CommOp,
         shape: &[usize],
-    ) -> Result<HostBuf, CommError> {
-        let Payload::Tensor(buf) = payload else {
+    ) -> Result<TensorData, CommError> {
+        let Payload::Tensor(data) = payload else {
             return Err(self.fail(self.data(action, format!("rank {peer} sent no tensor"))));
         };
-        if buf.shape != shape {
+        if data.shape.as_slice() != shape {
             return Err(self.fail(CommError::ShapeMismatch {
                 rank: self.rank,
                 peer,
                 action,
                 expected: shape.to_vec(),
-                actual: buf.shape.clone(),
+                actual: data.shape.as_slice().to_vec(),
             }));
         }
-        Ok(buf)
+        Ok(data)
+    }
+}
+
+#[cfg(any(feature = "cuda", test))]
+impl<B: Backend, T: Transport> super::watchdog::FailStop for ProcessComm<B, T> {
+    fn world_rank(&self) -> usize {
+        self.rank
+    }
+    fn call_timeout(&self) -> Duration {
+        self.config.timeout
+    }
+    fn fail_world(&self, err: CommError) -> CommError {
+        self.fail(err)
     }
 }
 
@@ -414,8 +438,8 @@ impl<B: Backend, T: Transport> PostAndCollect<B> for ProcessComm<B, T> {
         self.check(action, shape)
     }
 
-    fn skip_seq(&self, group: Group) {
-        self.next_seq(group);
+    fn next_seq(&self, group: Group) -> u64 {
+        ProcessComm::next_seq(self, group)
     }
 
     fn fail_call(&self, err: CommError) -> CommError {
@@ -427,42 +451,47 @@ impl<B: Backend, T: Transport> PostAndCollect<B> for ProcessComm<B, T> {
         tensor: Tensor<B, D>,
         action: CommOp,
     ) -> Result<Arc<HostBuf>, CommError> {
-        self.read_host(tensor, action).map(Arc::new)
+        let data = self.read_data(tensor, action)?;
+        HostBuf::from_data(data)
+            .map(Arc::new)
+            .map_err(|r| self.fail(self.data(action, r)))
     }
 
     fn send_part(
         &self,
-        group: Group,
-        action: CommOp,
-        _shape: &[usize],
+        peer: usize,
+        key: &PartKey,
         mine: &Arc<HostBuf>,
-    ) -> Result<u64, CommError> {
-        let seq = self.next_seq(group);
-        let stream = Stream::Collective(group, seq);
-        // The wire format owns its payload: one copy, encoded once per member.
-        let payload = Payload::Tensor(HostBuf::clone(mine));
-        for &m in self
-            .group_members(group)
-            .iter()
-            .filter(|&&m| m != self.rank)
-        {
-            self.post_data(m, stream, action, &payload)?;
-        }
-        Ok(seq)
+        range: std::ops::Range<usize>,
+    ) -> Result<(), CommError> {
+        self.sent.add(key.group, range.len(), mine.dtype);
+        let payload = Payload::Part {
+            shape: key.shape.clone(),
+            data: mine.slice_data(range),
+        };
+        let stream = Stream::Collective(key.group, key.seq, key.round);
+        self.post_data(peer, stream, key.action, payload)
     }
 
-    fn receive_parts(&self, posted: &Posted) -> Result<Vec<(usize, Arc<HostBuf>)>, CommError> {
-        let (action, shape) = (posted.action, &posted.shape);
-        let stream = Stream::Collective(posted.group, posted.seq);
-        let members = self.group_members(posted.group);
-        members
-            .into_iter()
-            .filter(|&m| m != self.rank)
-            .map(|m| {
-                let payload = self.wait(m, stream, action, shape)?;
-                Ok((m, Arc::new(self.expect_tensor(payload, m, action, shape)?)))
-            })
-            .collect()
+    fn start_order(&self) -> &StartOrder {
+        &self.started
+    }
+
+    fn receive_part(&self, peer: usize, key: &PartKey) -> Result<ReceivedPart, CommError> {
+        let stream = Stream::Collective(key.group, key.seq, key.round);
+        match self.wait(peer, stream, key.action, &key.shape)? {
+            Payload::Part { shape, data } => {
+                let buf =
+                    HostBuf::from_data(data).map_err(|r| self.fail(self.data(key.action, r)))?;
+                let range = 0..buf.len();
+                Ok(ReceivedPart {
+                    shape,
+                    buf: Arc::new(buf),
+                    range,
+                })
+            }
+            _ => Err(self.fail(self.data(key.action, format!("rank {peer} sent no contribution")))),
+        }
     }
 }
 

@@ -71,8 +71,8 @@ fn send_recv_3d_and_tags_out_of_order(comms: Vec<LocalComm<B>>) -> Vec<f32> {
             Ok(Vec::new())
         } else {
             // Tag 8 first: a receive must skip the older message with another tag.
-            let small = comm.recv::<1>(0, 8, [1])?;
-            let big = comm.recv::<3>(0, 7, shape)?;
+            let small = comm.recv::<1>(0, 8, [1], DType::F32)?;
+            let big = comm.recv::<3>(0, 7, shape, DType::F32)?;
             assert_eq!(big.dims(), shape);
             let mut out = values(small);
             out.extend(values(big));
@@ -107,7 +107,7 @@ fn handed_over_recv_error<const D: usize>(want: [usize; D]) -> String {
         if comm.rank() == 0 {
             comm.send(1, 1, tensor1(vec![1.0; 6], &device).reshape([2, 3]))
         } else {
-            comm.recv::<D>(0, 1, want).map(|_| ())
+            comm.recv::<D>(0, 1, want, DType::F32).map(|_| ())
         }
     });
     match outcome {
@@ -195,7 +195,7 @@ fn collectives_interleave_with_pipeline_transfers() {
             Ok(vec![])
         } else {
             comm.barrier(Group::Pipeline)?;
-            Ok(values(comm.recv::<1>(0, 0, [2])?))
+            Ok(values(comm.recv::<1>(0, 0, [2], DType::F32)?))
         }
     });
     assert_eq!(got[1], vec![1.0, 2.0]);
@@ -258,7 +258,7 @@ fn single_member_groups_return_the_input() {
         out.extend(values(comm.broadcast(Group::DataParallel, 0, t())?));
         comm.barrier(Group::Pipeline)?;
         comm.send(0, 3, t())?;
-        out.extend(values(comm.recv::<1>(0, 3, [2])?));
+        out.extend(values(comm.recv::<1>(0, 3, [2], DType::F32)?));
         Ok(out)
     });
     assert_eq!(got[0], [1.0, 3.0].repeat(5));

@@ -18,7 +18,7 @@ fn recv_that_nobody_sends_times_out_naming_rank_peer_action_shape() {
     let comms = world(2, 1, Duration::from_millis(200));
     let start = Instant::now();
     // comms[0] stays alive but never sends.
-    let err = comms[1].recv::<2>(0, 5, [2, 3]).unwrap_err();
+    let err = comms[1].recv::<2>(0, 5, [2, 3], DType::F32).unwrap_err();
     let elapsed = start.elapsed();
     assert!(
         elapsed >= Duration::from_millis(200) && elapsed < FAST,
@@ -91,7 +91,7 @@ fn blocked_world_with_failing_rank(
                 return fail();
             }
             // Nobody sends to rank 0.
-            0 => comm.recv::<2>(1, 0, [4, 4]).map(|_| ()),
+            0 => comm.recv::<2>(1, 0, [4, 4], DType::F32).map(|_| ()),
             // The pipeline group {0, 1}: rank 0 never joins.
             1 => comm
                 .all_reduce(
@@ -177,7 +177,7 @@ fn waiting_on_a_rank_that_exited_fails_fast() {
         if comm.rank() == 0 {
             return Ok(());
         }
-        comm.recv::<1>(0, 0, [3]).map(|_| ())
+        comm.recv::<1>(0, 0, [3], DType::F32).map(|_| ())
     });
     assert!(start.elapsed() < FAST);
     match result {
@@ -219,7 +219,7 @@ fn panic_outside_run_ranks_still_aborts_the_world() {
         panic!("worker died");
     });
     let start = Instant::now();
-    let err = rank1.recv::<1>(0, 0, [1]).unwrap_err();
+    let err = rank1.recv::<1>(0, 0, [1], DType::F32).unwrap_err();
     assert!(start.elapsed() < FAST);
     assert!(handle.join().is_err());
     assert!(
@@ -237,7 +237,7 @@ fn mismatched_calls_are_reported_not_hung() {
             let t: Tensor<B, 2> = tensor1(vec![0.0; 6], &device).reshape([2, 3]);
             return comm.send(1, 0, t);
         }
-        comm.recv::<2>(0, 0, [3, 2]).map(|_| ())
+        comm.recv::<2>(0, 0, [3, 2], DType::F32).map(|_| ())
     });
     assert!(
         matches!(&result, Err(RankError::Failed { rank: 1, error: CommError::ShapeMismatch { peer: 0, expected, actual, .. } })
@@ -300,9 +300,9 @@ fn a_timeout_names_the_rank_at_the_end_of_the_waits_for_chain() {
     );
     let start = Instant::now();
     let (err0, err1) = thread::scope(|scope| {
-        let h0 = scope.spawn(move || c0.recv::<1>(1, 0, [1]).unwrap_err());
+        let h0 = scope.spawn(move || c0.recv::<1>(1, 0, [1], DType::F32).unwrap_err());
         thread::sleep(Duration::from_millis(100));
-        let h1 = scope.spawn(move || c1.recv::<1>(2, 0, [1]).unwrap_err());
+        let h1 = scope.spawn(move || c1.recv::<1>(2, 0, [1], DType::F32).unwrap_err());
         (h0.join().unwrap(), h1.join().unwrap())
     });
     assert!(start.elapsed() < FAST, "took {:?}", start.elapsed());
@@ -334,8 +334,8 @@ fn a_timeout_names_the_rank_at_the_end_of_the_waits_for_chain() {
     let mut comms = world(2, 1, timeout).into_iter();
     let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
     let err = thread::scope(|scope| {
-        let h0 = scope.spawn(move || c0.recv::<1>(1, 0, [1]).unwrap_err());
-        let h1 = scope.spawn(move || c1.recv::<1>(0, 0, [1]).unwrap_err());
+        let h0 = scope.spawn(move || c0.recv::<1>(1, 0, [1], DType::F32).unwrap_err());
+        let h1 = scope.spawn(move || c1.recv::<1>(0, 0, [1], DType::F32).unwrap_err());
         let (a, b) = (h0.join().unwrap(), h1.join().unwrap());
         if matches!(a, CommError::Timeout { .. }) {
             a

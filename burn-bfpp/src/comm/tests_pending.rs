@@ -44,7 +44,7 @@ fn work_between_start_and_finish<C: Communicator<B>>(comm: &C) -> Result<Vec<f32
         comm.send(1, REDUCE_TAG, tensor1(vec![1.0], &device))?;
         (comm.finish(r)?, comm.finish(g)?)
     } else {
-        comm.recv::<1>(0, REDUCE_TAG, [1])?;
+        comm.recv::<1>(0, REDUCE_TAG, [1], DType::F32)?;
         let r = comm.start(reduce())?;
         let g = comm.start(gather())?;
         (comm.finish(r)?, comm.finish(g)?)
@@ -139,7 +139,7 @@ fn a_group_of_one_completes_at_start() {
 }
 
 /// Both ranks start two all-gathers; each finishes the second first, which the collective's
-/// order forbids: an error naming both collectives' indices, not a wrong result.
+/// order forbids (NCCL would hang): an error naming both collectives' indices.
 #[test]
 fn finishing_out_of_order_is_refused() {
     let err = run_ranks(world(1, 2, Duration::from_secs(5)), |comm| {
@@ -159,7 +159,7 @@ fn finishing_out_of_order_is_refused() {
     .expect_err("finished out of order");
     let msg = err.to_string();
     assert!(
-        msg.contains("collective #1 is all-gather") && msg.contains("#0"),
+        msg.contains("collective #1 on the data-parallel group is finished before collective #0"),
         "{msg}"
     );
 }

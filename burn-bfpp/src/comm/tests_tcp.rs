@@ -80,9 +80,9 @@ fn every_operation<C: Communicator<B>>(comm: &C) -> Result<Vec<f32>, CommError> 
     comm.send(peer, 1, tensor1(mine(2), &device).reshape([1, 2]))?;
     comm.send(peer, 2, tensor1(mine(3), &device))?;
     comm.send(rank, 3, tensor1(mine(1), &device))?;
-    out.extend(values(comm.recv::<1>(peer, 2, [3])?));
-    out.extend(values(comm.recv::<2>(peer, 1, [1, 2])?));
-    out.extend(values(comm.recv::<1>(rank, 3, [1])?));
+    out.extend(values(comm.recv::<1>(peer, 2, [3], DType::F32)?));
+    out.extend(values(comm.recv::<2>(peer, 1, [1, 2], DType::F32)?));
+    out.extend(values(comm.recv::<1>(rank, 3, [1], DType::F32)?));
     comm.barrier(Group::Pipeline)?;
     comm.barrier(Group::DataParallel)?;
     Ok(out)
@@ -120,7 +120,7 @@ fn a_rank_whose_process_goes_away_is_reported_at_once_not_at_the_timeout() {
         match comm.rank() {
             // Leaves without sending what rank 1 waits for (its connections close).
             2 => Ok(()),
-            1 => comm.recv::<1>(2, 5, [4]).map(|_| ()),
+            1 => comm.recv::<1>(2, 5, [4], DType::F32).map(|_| ()),
             _ => comm
                 .all_reduce(Group::Pipeline, tensor1(vec![1.0], &device), ReduceOp::Sum)
                 .map(|_| ()),

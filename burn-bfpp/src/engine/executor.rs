@@ -8,22 +8,24 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, ElementConversion, Tensor};
+use burn::tensor::{DType, Tensor};
 
 use super::nonfinite::NonFinitePolicy;
 use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
 use super::stage::{in_dtype, pad, LocalStage};
-use super::{EngineError, TimedEvent};
+use super::{EngineError, StepCounts, TimedEvent};
 use crate::comm::{Communicator, Group};
+use crate::host_read;
 use crate::model::{
-    autodiff_lock, flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward,
-    release_params, stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
+    flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward, release_params,
+    stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
 };
 use crate::schedule::{Action, ActionKind, ZeroLevel};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
 mod collectives;
+mod transfers;
 mod update;
 use collectives::InFlight;
 
@@ -50,11 +52,6 @@ struct Saved<B: AutodiffBackend, S> {
     output: Option<StageOutput<B>>,
     /// The input value, kept under recomputation to rebuild the leaf.
     input: Option<Tensor<Inner<B>, 3>>,
-}
-
-/// Tag of the transfer that leaves `stage` for micro-batch `mb` (`backward`: gradient).
-fn tag(stage: usize, mb: usize, backward: bool) -> u64 {
-    ((stage as u64) << 33) | ((mb as u64) << 1) | u64::from(backward)
 }
 
 /// Settings shared by every rank's executor.
@@ -84,6 +81,8 @@ pub(crate) struct StepOutcome {
     pub(crate) loss: Option<f64>,
     /// Whether the update was skipped (non-finite loss or gradient norm, policy `skip`).
     pub(crate) skipped: bool,
+    /// The step's host reads and bytes sent.
+    pub(crate) counts: StepCounts,
 }
 
 /// One rank's interpreter and its state.
@@ -101,7 +100,10 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     out_grads: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
     to_send_forward: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
     to_send_backward: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
-    losses: Vec<f64>,
+    /// The sum of this step's micro-batch losses (last-stage ranks), fp32 on the device: read
+    /// once, at the end of the step, with everything else the host needs (see
+    /// [`super::summary`]).
+    loss_sum: Option<Tensor<Inner<B>, 1>>,
     /// Recorded actions of the run: (step, action, start, end) in seconds since `epoch`.
     pub(crate) events: Vec<TimedEvent>,
     epoch: Instant,
@@ -147,7 +149,7 @@ where
             out_grads: HashMap::new(),
             to_send_forward: HashMap::new(),
             to_send_backward: HashMap::new(),
-            losses: Vec::new(),
+            loss_sum: None,
             events: Vec::new(),
             epoch,
             peak_param_bytes: 0,
@@ -208,20 +210,54 @@ where
         lr: f64,
         batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
     ) -> Result<StepOutcome, EngineError> {
-        self.losses.clear();
+        self.loss_sum = None;
+        let reads_before = host_read::counts();
+        let bytes_before = self.comm.bytes_sent();
         let program = std::mem::take(&mut self.program);
-        let result: Result<(), EngineError> = program.iter().try_for_each(|&action| {
-            self.finish_needed_by(step, action)?;
-            self.timed(step, action, |exec| exec.run(action, batch))
-        });
+        let result = self.run_list(step, &program, batch);
         self.program = program;
         result?;
         self.finish_collectives(step, self.in_flight.len())?;
-        let skipped = self.optimizer_step(step, lr)?;
+        // The list's traffic; the step's table below is a few floats of control.
+        let comm_bytes = self.comm.bytes_sent().since(bytes_before);
+        let summary = self.step_summary()?;
+        let skipped = self.optimizer_step(step, lr, &summary)?;
+        let holds_loss = self.local(self.settings.num_stages - 1);
+        let reads = host_read::counts().since(reads_before);
         Ok(StepOutcome {
-            loss: self.step_loss()?,
+            loss: holds_loss.then_some(summary.loss),
             skipped,
+            counts: StepCounts {
+                host_reads: reads.sync,
+                host_transfer_reads: reads.transfer,
+                comm_bytes,
+            },
         })
+    }
+
+    /// Runs `list` in order; where the communicator moves transfers as device operations
+    /// that must be posted together ([`Communicator::groups_transfers`]), each run of
+    /// consecutive transfers goes as one group.
+    fn run_list(
+        &mut self,
+        step: usize,
+        list: &[Action],
+        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+    ) -> Result<(), EngineError> {
+        let grouped = self.comm.groups_transfers();
+        let mut at = 0;
+        while let Some(&action) = list.get(at) {
+            if grouped && action.kind.is_p2p() {
+                let len = list[at..].iter().take_while(|a| a.kind.is_p2p()).count();
+                self.transfer_group(step, &list[at..at + len])?;
+                at += len;
+                continue;
+            }
+            self.finish_needed_by(step, action)?;
+            self.timed(step, action, |exec| exec.run(action, batch))?;
+            at += 1;
+        }
+        Ok(())
     }
 
     fn run(
@@ -236,50 +272,13 @@ where
             ActionKind::BackwardInput | ActionKind::BackwardWeight => Err(EngineError::Config(
                 "split backward (I/W) is not executed yet; generate schedules with full B".into(),
             )),
-            ActionKind::SendForward => {
-                let t = self
-                    .to_send_forward
-                    .remove(&(s, m))
-                    .ok_or(EngineError::Missing {
-                        what: "forward output",
-                        stage: s,
-                        microbatch: m,
-                    })?;
-                let peer = self.peer(s + 1);
-                Ok(self.comm.send(peer, tag(s, m, false), t)?)
-            }
-            ActionKind::SendBackward => {
-                let t = self
-                    .to_send_backward
-                    .remove(&(s, m))
-                    .ok_or(EngineError::Missing {
-                        what: "input gradient",
-                        stage: s,
-                        microbatch: m,
-                    })?;
-                let peer = self.peer(s - 1);
-                Ok(self.comm.send(peer, tag(s, m, true), t)?)
-            }
-            ActionKind::RecvForward => {
-                let peer = self.peer(s - 1);
-                let t =
-                    self.comm
-                        .recv(peer, tag(s - 1, m, false), self.settings.activation_shape)?;
-                self.inputs.insert((s, m), t);
-                Ok(())
-            }
-            ActionKind::RecvBackward => {
-                let peer = self.peer(s + 1);
-                let t =
-                    self.comm
-                        .recv(peer, tag(s + 1, m, true), self.settings.activation_shape)?;
-                self.out_grads.insert((s, m), t);
-                Ok(())
-            }
+            ActionKind::SendForward
+            | ActionKind::SendBackward
+            | ActionKind::RecvForward
+            | ActionKind::RecvBackward => self.transfer(action),
             ActionKind::Unshard => self.unshard(s),
             ActionKind::Reshard => {
                 let stage = self.stage_mut(s)?;
-                let _autodiff = autodiff_lock();
                 // Free the gathered values for real: the next UNSHARD refills them.
                 stage.module = release_params(stage.module.clone());
                 stage.gathered = false;
@@ -307,13 +306,20 @@ where
             })?)
         };
         let (module, leaf, output) = self.run_stage(s, m, value.clone(), batch)?;
-        let autodiff = autodiff_lock();
         let (out, loss) = match &output {
-            // Activations travel as fp32 (exact for half values): see super::precision.
-            StageOutput::Hidden(h) => (Some(in_dtype(h.clone().inner(), DType::F32)), None),
+            // Activations travel in the compute dtype (bf16 as bf16).
+            StageOutput::Hidden(h) => (Some(h.clone().inner()), None),
+            // Summed on the device, read with the step's table: no host read here.
             StageOutput::Loss(l) => {
-                let loss = l.clone().into_scalar().elem::<f64>();
-                (None, Some(if self.poison { f64::NAN } else { loss }))
+                let loss = in_dtype(l.clone().inner(), DType::F32);
+                (
+                    None,
+                    Some(if self.poison {
+                        loss.mul_scalar(f32::NAN)
+                    } else {
+                        loss
+                    }),
+                )
             }
         };
         let saved = if self.settings.recompute {
@@ -332,9 +338,13 @@ where
                 input: None,
             }
         };
-        drop(autodiff);
         self.saved.insert((s, m), saved);
-        self.losses.extend(loss);
+        if let Some(loss) = loss {
+            self.loss_sum = Some(match self.loss_sum.take() {
+                Some(sum) => sum + loss,
+                None => loss,
+            });
+        }
         if let Some(out) = out {
             if self.local(s + 1) {
                 self.inputs.insert((s + 1, m), out);
@@ -355,11 +365,9 @@ where
     ) -> Result<StageRun<B, S>, EngineError> {
         let last = s + 1 == self.settings.num_stages;
         let data = (s == 0 || last).then(|| batch(self.dp_index, m));
-        // Burn 0.21's autodiff registry is process-wide and not safe to drive from several
-        // threads (see crate::model::autodiff): record graphs only while holding the lock,
-        // and never hold it across a blocking communication.
+        // Ranks that are threads record their graphs concurrently; they never share an
+        // autodiff node (see crate::model::autodiff).
         let compute = self.settings.precision.dtype();
-        let _autodiff = autodiff_lock();
         let (input, leaf) = match (value, &data) {
             (Some(v), _) => {
                 let leaf = input_leaf(Tensor::<B, 3>::from_inner(in_dtype(v, compute)));
@@ -405,7 +413,6 @@ where
             (Some(module), Some(output)) => (module, saved.leaf, output),
             _ => self.run_stage(s, m, saved.input, batch)?,
         };
-        // Taken before the lock: a missing gradient is an error, not a wait.
         let out_grad = self.out_grads.remove(&(s, m));
         // The loss scale (f16) multiplies the seed of the backward; the parameter gradients
         // are divided by it again below, in fp32, and the input gradient stays scaled.
@@ -414,7 +421,6 @@ where
         let compute = self.settings.precision.dtype();
         let local_prev = s > 0 && self.local(s - 1);
         let poison = self.poison;
-        let autodiff = autodiff_lock();
         let grads = match &output {
             StageOutput::Loss(loss) => loss_backward(loss, scale),
             StageOutput::Hidden(h) => {
@@ -426,9 +432,8 @@ where
                 stage_backward(h, in_dtype(g, compute))?
             }
         };
-        let in_grad = leaf
-            .as_ref()
-            .map(|leaf| in_dtype(input_grad(leaf, &grads), DType::F32));
+        // Input gradients travel in the compute dtype, like the activations.
+        let in_grad = leaf.as_ref().map(|leaf| input_grad(leaf, &grads));
         let stage = self.stage_mut(s)?;
         let mut flat = in_dtype(flatten_grads(&module, &grads), DType::F32);
         if loss_scale != 1.0 {
@@ -438,9 +443,7 @@ where
         if poison {
             flat = flat.mul_scalar(f32::NAN);
         }
-        // Autodiff values are dropped under the lock too: dropping touches the registry.
         drop((grads, output, leaf, module));
-        drop(autodiff);
         stage.grad_window = Some(match stage.grad_window.take() {
             Some(acc) => acc + flat,
             None => flat,

@@ -17,9 +17,12 @@ mod rank;
 mod shard;
 mod snapshot;
 mod stage;
+mod summary;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
 
 use burn::tensor::backend::AutodiffBackend;
 
@@ -33,7 +36,8 @@ pub use shard::ShardLayout;
 pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};
 
 use crate::comm::{
-    run_ranks, CommConfig, CommError, Communicator, LocalComm, RankError, RankGrid, ThreadRank,
+    run_ranks, CommBytes, CommConfig, CommError, Communicator, LocalComm, RankError, RankGrid,
+    ThreadRank,
 };
 use crate::model::{
     module_to_device, recombine, split_model, MicroBatch, ModelSplit, PipelineModel,
@@ -55,6 +59,23 @@ pub struct TimedEvent {
     pub start: f64,
     /// End, seconds since the run started.
     pub end: f64,
+}
+
+/// What one rank's step cost besides its compute: the host synchronisations it made and the
+/// bytes it sent. A [`TrainOutcome`] reports every rank's for the last step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepCounts {
+    /// Synchronising device-to-host reads of the engine and the optimizer in the step (the
+    /// step's losses, gradient norm and non-finite flags are read together, once): a fixed
+    /// number per step, independent of the micro-batch count.
+    pub host_reads: u64,
+    /// Device-to-host reads that were the payload of a host transport (a CPU rank's send or
+    /// its part of a host collective), counted apart.
+    pub host_transfer_reads: u64,
+    /// Payload bytes the rank's action list sent (`SEND_*`, `UNSHARD`, `REDUCE_GRAD`; the
+    /// step's control reduction of a few floats is not included), elements × the size of the
+    /// dtype carried.
+    pub comm_bytes: CommBytes,
 }
 
 /// A fault to inject, for testing that failures stop every rank (`BFPP_FAULT_INJECT`).
@@ -211,6 +232,8 @@ pub struct TrainOutcome<M> {
     pub skipped_steps: Vec<usize>,
     /// The loss scale after the last step (1 unless [`Precision::F16`]).
     pub loss_scale: f64,
+    /// Every world rank's host reads and bytes sent in the last step.
+    pub last_step: Vec<StepCounts>,
 }
 
 /// A rank's stages, waiting for its thread to take them.
@@ -446,12 +469,14 @@ where
     let mut stages: Vec<(usize, M::Stage)> = Vec::new();
     let mut timelines = Vec::new();
     let mut peak_param_bytes = Vec::new();
+    let mut last_step = Vec::new();
     for (rank, r) in results.into_iter().enumerate() {
         if grid.dp_index(rank) == 0 {
             stages.extend(r.stages);
         }
         timelines.push(r.events);
         peak_param_bytes.push(r.peak_param_bytes);
+        last_step.push(r.last_step);
     }
     stages.sort_by_key(|(s, _)| *s);
     let stages: Vec<M::Stage> = stages
@@ -467,5 +492,6 @@ where
         elapsed,
         skipped_steps,
         loss_scale,
+        last_step,
     })
 }

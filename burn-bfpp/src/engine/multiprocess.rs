@@ -7,12 +7,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::rank::{stages_for_rank, train_rank_with, RankPlan};
 use super::snapshot::Checkpointing;
-use super::{EngineConfig, EngineError, StepReport, TimedEvent, TrainOutcome};
+use super::{EngineConfig, EngineError, StepCounts, StepReport, TimedEvent, TrainOutcome};
 use crate::comm::{CommError, Group, ProcessRank};
 use crate::model::{flatten_params, load_flat, recombine, MicroBatch, PipelineModel};
 use crate::schedule::Action;
@@ -34,6 +34,8 @@ struct RankReport {
     /// The rank's time zero on the system clock, nanoseconds since the Unix epoch: rank 0
     /// moves every rank's events onto its own time zero with it.
     epoch_unix_ns: u64,
+    /// Host reads and bytes sent in the last step.
+    last_step: StepCounts,
 }
 
 /// Now on the system clock, nanoseconds since the Unix epoch (0 on a clock set before it).
@@ -203,12 +205,19 @@ where
             .collect(),
         peak_param_bytes: outcome.peak_param_bytes,
         epoch_unix_ns,
+        last_step: outcome.last_step,
     };
     let bytes = serde_json::to_vec(&report)
         .map_err(|e| EngineError::RankFailure(format!("rank {rank}: report: {e}")))?;
     if grid.dp_index(rank) == 0 && rank != 0 {
         for (s, module) in &outcome.stages {
+            // The trained stages are handed back in fp32, whatever the compute dtype.
             let flat = flatten_params(module).inner();
+            let flat = if flat.dtype() == DType::F32 {
+                flat
+            } else {
+                flat.cast(DType::F32)
+            };
             comm.send(0, PARAM_TAG + *s as u64, flat)
                 .map_err(comm_err)?;
         }
@@ -253,7 +262,7 @@ where
                 .sum();
             let peer = grid.rank_of(p, 0);
             let flat = comm
-                .recv(peer, PARAM_TAG + s as u64, [numel])
+                .recv(peer, PARAM_TAG + s as u64, [numel], DType::F32)
                 .map_err(comm_err)?;
             let module = load_flat(template, &Tensor::from_inner(flat))?;
             stages.push((s, module));
@@ -271,7 +280,9 @@ where
         .collect();
     let mut timelines = Vec::with_capacity(reports.len());
     let mut peak_param_bytes = Vec::with_capacity(reports.len());
+    let mut last_step = Vec::with_capacity(reports.len());
     for (peer, r) in reports.into_iter().enumerate() {
+        last_step.push(r.last_step);
         // Seconds from rank 0's time zero to this rank's.
         let shift = (r.epoch_unix_ns as f64 - epoch_unix_ns as f64) * 1e-9;
         let events = r
@@ -302,5 +313,6 @@ where
         elapsed,
         skipped_steps,
         loss_scale,
+        last_step,
     }))
 }

@@ -8,7 +8,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use super::executor::{ExecutorSettings, RankExecutor};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
 use super::stage::LocalStage;
-use super::{EngineConfig, EngineError, FaultKind, StepReport, TimedEvent};
+use super::{EngineConfig, EngineError, FaultKind, StepCounts, StepReport, TimedEvent};
 use crate::comm::{Communicator, Group};
 use crate::model::{module_to_device, split_model, MicroBatch, PipelineModel, PipelineStage};
 use crate::schedule::PipelineSchedule;
@@ -44,6 +44,8 @@ pub struct RankOutcome<S> {
     pub skipped_steps: Vec<usize>,
     /// The loss scale after the last step (1 unless f16); the same on every rank.
     pub loss_scale: f64,
+    /// The rank's host reads and bytes sent in its last step.
+    pub last_step: StepCounts,
 }
 
 /// The stages pipeline rank `pp_index` holds under `program`, cut from `model`.
@@ -171,6 +173,7 @@ where
     }
     let mut losses = Vec::with_capacity(plan.steps.saturating_sub(start));
     let mut skipped_steps = Vec::new();
+    let mut last_step = StepCounts::default();
     for step in start + 1..=plan.steps {
         let fault = cfg.fault.filter(|f| f.rank == rank && f.step == step);
         match fault.map(|f| f.kind) {
@@ -183,6 +186,7 @@ where
         let lr = cfg.lr.lr(step);
         let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb).to_device(&device);
         let outcome = exec.step(step, lr, &data)?;
+        last_step = outcome.counts;
         if outcome.skipped {
             skipped_steps.push(step);
         }
@@ -217,5 +221,6 @@ where
         peak_param_bytes: finished.peak_param_bytes,
         skipped_steps,
         loss_scale,
+        last_step,
     })
 }

@@ -7,7 +7,8 @@ use burn::tensor::{DType, Tensor, TensorData};
 use super::shard::ShardLayout;
 use super::snapshot::StageState;
 use super::EngineError;
-use crate::model::{autodiff_lock, flatten_params, load_flat_shaped, param_shapes, PipelineStage};
+use crate::host_read::{read, ReadPurpose};
+use crate::model::{flatten_params, load_flat_shaped, param_shapes, PipelineStage};
 use crate::optim::{AdamWSettings, ShardOptimizer};
 use crate::schedule::ZeroLevel;
 
@@ -99,7 +100,6 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         dtype: DType,
     ) -> Result<(), EngineError> {
         let values = Tensor::from_inner(in_dtype(padded.narrow(0, 0, self.layout.numel), dtype));
-        let _autodiff = autodiff_lock();
         self.module = load_flat_shaped(self.module.clone(), &values, &self.shapes)?;
         Ok(())
     }
@@ -107,7 +107,8 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
     /// This stage's training state, copied out of the backend (a checkpoint).
     pub(crate) fn snapshot(&self) -> Result<StageState, EngineError> {
         let read = |t: &Tensor<Inner<B>, 1>| {
-            t.to_data()
+            read(t.clone(), ReadPurpose::Sync)
+                .map_err(|e| EngineError::Config(format!("stage {}: {e:?}", self.index)))?
                 .convert::<f32>()
                 .into_vec::<f32>()
                 .map_err(|e| EngineError::Config(format!("stage {}: {e:?}", self.index)))

@@ -36,38 +36,30 @@
 //! with one leaf copy per micro-batch, 0 of 200. Depth-first orders (each micro-batch's
 //! backward right after its forward) are not affected.
 //!
-//! # Threads: hold [`autodiff_lock`] around every forward and backward
+//! # Threads: no lock
 //!
 //! Burn 0.21's autodiff keeps every graph of the process in one global registry, and each
-//! `backward()` ends with a sweep over *all* graphs that frees steps it believes unused —
-//! including steps another thread has just recorded but not yet linked to the op that
-//! consumes them (tracel-ai/burn#5573). The other thread's gradients then silently miss
-//! contributions (we observed O(1) errors in LayerNorm and embedding gradients). When two
-//! threads share autodiff nodes the same code can also deadlock (lock-order inversion
-//! between the registry and a graph). So when ranks are threads of one process, every call
-//! that records autodiff ops or runs a backward — stage forwards, [`fresh_leaves`],
-//! [`input_leaf`], [`stage_backward`], [`loss_backward`] — must run while holding
-//! [`autodiff_lock`]. Reading gradients ([`input_grad`], [`flatten_grads`]) and work on
-//! detached values need not. Holding it makes the execution equal to a single-threaded
-//! interleaving.
-
-use std::sync::{Mutex, MutexGuard};
+//! `backward()` ends with a sweep over *all* graphs that frees steps it believes unused. In
+//! the published 0.21.0 that sweep could free steps another thread had just recorded but not
+//! yet linked to the op consuming them (tracel-ai/burn#5573): the other thread's gradients
+//! silently missed contributions. Ranks that are threads therefore used to serialise every
+//! forward and backward under one process-wide lock. The workspace now builds a patched
+//! burn-autodiff (`vendor/burn-autodiff`, see its README) in which an operation keeps its
+//! inputs marked as used until its own step is registered; `tests/autodiff_threads.rs`
+//! fails without the patch. So thread ranks record and run their graphs concurrently.
+//!
+//! What remains to respect: threads must not share autodiff nodes. Burn locks a graph and
+//! then its registry in a backward, and the registry and then graphs when an op joins two
+//! graphs, so two threads recording on one graph could deadlock. The engine never shares a
+//! node between ranks: each rank's stages start from [`fresh_leaves`] over detached values,
+//! received activations become new leaves ([`input_leaf`]), and everything that crosses
+//! threads is an inner-backend tensor without a graph.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 
 use super::ModelError;
-
-/// The process-wide lock that serialises autodiff graph recording and backward passes
-/// across threads (see the module docs: Burn 0.21's autodiff is not safe to drive from
-/// several threads at once). Take it around each stage forward and each backward; it is
-/// not reentrant, so the functions of this module never take it themselves.
-pub fn autodiff_lock() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    // A panic while holding the lock leaves no state behind that the lock protects.
-    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// A copy of `module` whose float parameters are new autodiff leaves with the same values
 /// (the data is shared, not copied), the same [`burn::module::ParamId`]s and the same

@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 use super::gpt_layers::{flash_head_dim, CausalSelfAttention, GptBlock, GptEmbedding, GptHead};
 use super::Inputs;
 use super::{
-    check_range, materialize, ModelError, PipelineModel, PipelineStage, StageInput, StageOutput,
-    Targets,
+    check_range, materialize, random_init_lock, ModelError, PipelineModel, PipelineStage,
+    StageInput, StageOutput, Targets,
 };
 
 /// The shape of a [`Gpt`]. Deserialises from JSON with every field optional (defaults below).
@@ -191,6 +191,12 @@ impl GptConfig {
     /// Builds the model with parameters drawn from the backend's current random state, and
     /// materialises them (see [`materialize`]) so that stages cut from it share its values.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
+        let _draws = random_init_lock();
+        self.init_drawing(device)
+    }
+
+    /// [`init`](Self::init) with the random state already held by the caller.
+    fn init_drawing<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
         self.validate()?;
         let normal = |std: f64| Initializer::Normal { mean: 0.0, std };
         let residual_std = self.init_std / (2.0 * self.layers as f64).sqrt();
@@ -253,16 +259,18 @@ impl GptConfig {
         Ok(model)
     }
 
-    /// [`init`](Self::init) after seeding the backend: the same seed gives the same model.
-    /// The seed is the backend's global random state, so nothing else may draw random
-    /// numbers on that backend while this runs.
+    /// [`init`](Self::init) after seeding the backend: the same seed gives the same model,
+    /// also when other threads build models at the same time (the seed and the draws after it
+    /// hold [`random_init_lock`]; other code drawing random numbers on the backend meanwhile
+    /// still takes draws from the sequence).
     pub fn init_seeded<B: Backend>(
         &self,
         seed: u64,
         device: &B::Device,
     ) -> Result<Gpt<B>, ModelError> {
+        let _draws = random_init_lock();
         B::seed(device, seed);
-        self.init(device)
+        self.init_drawing(device)
     }
 }
 

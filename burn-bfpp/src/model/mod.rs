@@ -16,10 +16,9 @@
 //! model a single-device run starts from, and [`recombine`] puts trained stages back into it.
 //! [`flatten_params`], [`load_flat`] and [`flatten_grads`] move a stage's parameters and
 //! gradients to and from one 1-D buffer for sharding. The [`autodiff`] module documents the
-//! per-stage backward recipe, including two workarounds for Burn 0.21's autodiff that any
-//! engine must follow: run each micro-batch's forward on [`fresh_leaves`] of its stage, and
-//! hold [`autodiff_lock`] while recording graphs when ranks are threads. [`Gpt`] is the
-//! reference model.
+//! per-stage backward recipe, including what any engine must follow with Burn 0.21's
+//! autodiff: run each micro-batch's forward on [`fresh_leaves`] of its stage, and never share
+//! an autodiff node between threads. [`Gpt`] is the reference model.
 
 pub mod autodiff;
 mod error;
@@ -38,8 +37,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 pub use autodiff::{
-    autodiff_lock, flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward,
-    stage_backward,
+    flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward, stage_backward,
 };
 pub use error::ModelError;
 pub use gpt::{FusedMode, Gpt, GptConfig, GptStage};
@@ -48,6 +46,18 @@ pub use params::{
     release_params,
 };
 pub use placement::{module_to_device, tensor_to_device};
+
+/// Held while a model draws its initial parameters. Burn backends keep one process-wide
+/// random state (and [`GptConfig::init_seeded`] seeds it), so two threads building models at
+/// once would take each other's draws and a seeded model would not be reproducible. This is
+/// not about autodiff: thread ranks compute without a lock (see [`autodiff`]).
+pub(crate) fn random_init_lock() -> std::sync::MutexGuard<'static, ()> {
+    static DRAWS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // The lock guards no data; a panic while holding it leaves nothing inconsistent.
+    DRAWS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 pub use split::{balanced_split, split_model, stage_costs, ModelSplit};
 
 /// The inputs of a micro-batch, consumed by the first stage.

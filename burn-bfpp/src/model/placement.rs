@@ -11,6 +11,8 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Bool, Int, Tensor, TensorCreationOptions};
 
+use crate::host_read::{read, ReadPurpose};
+
 /// `tensor` on `device` with its dtype (and, for a float tensor, without autodiff history).
 pub fn tensor_to_device<B, const D: usize, K>(
     tensor: Tensor<B, D, K>,
@@ -24,8 +26,10 @@ where
         return tensor;
     }
     let dtype = tensor.dtype();
+    // A device that cannot be read has failed; there is no other way to move the tensor.
+    let data = read(tensor, ReadPurpose::Transfer).expect("the source device is readable");
     Tensor::from_data(
-        tensor.into_data(),
+        data,
         TensorCreationOptions::new(device.clone()).with_dtype(dtype),
     )
 }

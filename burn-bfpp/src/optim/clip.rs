@@ -2,11 +2,11 @@
 //!
 //! The gradient of the whole model is scaled by one coefficient `c = max_norm / ‖g‖` when its
 //! global L2 norm `‖g‖` exceeds `max_norm`. No rank holds the whole gradient, so each rank
-//! sums the squares of the gradient shards it owns ([`sq_norm`], in `f64` on the host so the
-//! sum does not depend on a device's reduction order), the engine all-reduces these partial
-//! sums over every rank that owns a distinct part of the model (the pipeline, and the
-//! data-parallel group when the update is sharded), and every rank turns the total into the
-//! coefficient with [`clip_coefficient`].
+//! sums the squares of the gradient shards it owns on the device ([`sq_norm_on_device`], so
+//! that the norm needs no host read of its own), the engine reduces these partial sums over
+//! the world in its step's table and every rank adds those of every distinct part of the
+//! model (the pipeline, and the data-parallel group when the update is sharded) in `f64`, in
+//! the same order, and turns the total into the coefficient with [`clip_coefficient`].
 //!
 //! **The coefficient must be computed identically on every rank**: from the same all-reduced
 //! total (a collective that returns the same value everywhere, or a broadcast of one rank's
@@ -20,25 +20,42 @@
 //! gradients ([`reference_sq_norm`]), gets the coefficient from the same [`clip_coefficient`],
 //! scales every gradient with [`reference_clip`], and only then calls Burn's optimizer
 //! (configured *without* Burn's gradient clipping, which is per parameter tensor). The two
-//! totals are the same sum of squares grouped differently (per shard vs per parameter), so
-//! they may differ in the last bits of the `f64`; squares of `f32` values are exact in `f64`,
-//! so that is far below what the `f32` scale can resolve (at most one `f32` rounding of `c`).
+//! totals are the same sum of squares grouped differently (per shard on the device in `f32`
+//! vs per parameter on the host in `f64`), so they differ by about one `f32` rounding per
+//! shard: a relative 1e-7 of the coefficient, far below the tests' 1e-5.
 
 use std::collections::HashSet;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
+
+use crate::host_read::{read, ReadPurpose};
 
 /// The sum of the squares of a gradient shard's elements, accumulated in `f64` on the host in
-/// element order (deterministic: it does not depend on a device's reduction order).
+/// element order (deterministic: it does not depend on a device's reduction order): the
+/// single-device reference's norm.
 ///
-/// Padding (zeros) contributes nothing. This reads the shard back to the host, once per step.
+/// Padding (zeros) contributes nothing. This reads the shard back to the host.
 pub fn sq_norm<B: Backend>(shard: &Tensor<B, 1>) -> f64 {
-    let data = shard.to_data();
+    // A reference computation: a read failure is a broken device, not a user error.
+    let data = read(shard.clone(), ReadPurpose::Sync).expect("the shard is readable");
     // Each `f32` square is exact in `f64` (48 significant bits), so only the additions round.
     data.iter::<f64>().map(|x| x * x).sum()
+}
+
+/// The sum of the squares of a gradient shard's elements, as a one-element fp32 tensor on the
+/// shard's device: what the engine puts into its step's table, so that the norm costs no
+/// host read of its own. The summation order is the backend's (deterministic on the CPU
+/// backend for a given length); it differs from [`sq_norm`]'s in the last bits only.
+pub fn sq_norm_on_device<B: Backend>(shard: &Tensor<B, 1>) -> Tensor<B, 1> {
+    let shard = if shard.dtype() == DType::F32 {
+        shard.clone()
+    } else {
+        shard.clone().cast(DType::F32)
+    };
+    (shard.clone() * shard).sum()
 }
 
 /// The factor by which to scale every gradient so that the global L2 norm is at most

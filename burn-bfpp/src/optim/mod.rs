@@ -19,9 +19,11 @@
 //!
 //! 1. `lr = schedule.lr(step)` with an [`LrSchedule`] (identical on every rank: it is a pure
 //!    function of the step);
-//! 2. `local = Σ sq_norm(owned gradient shard)` over its stages ([`sq_norm`]);
-//! 3. all-reduce `local` over every rank that owns a distinct part of the model, giving the
-//!    squared norm of the whole model's gradient;
+//! 2. the squared norm of each owned gradient shard, on the device ([`sq_norm_on_device`]),
+//!    into its slot of the step's table;
+//! 3. sum the table over the world and read it once: every rank adds the slots of every
+//!    distinct part of the model in f64 (in the same order), giving the squared norm of the
+//!    whole model's gradient;
 //! 4. `c = clip_coefficient(total, max_norm)` ([`clip_coefficient`]) and scale the owned
 //!    gradient by `c` ([`clip_grad`]);
 //! 5. `owned = optimizer.step(lr, owned, grad)`.
@@ -45,7 +47,9 @@ mod schedule;
 mod tests;
 
 pub use adamw::{AdamWSettings, ShardOptimizer};
-pub use clip::{clip_coefficient, clip_grad, reference_clip, reference_sq_norm, sq_norm};
+pub use clip::{
+    clip_coefficient, clip_grad, reference_clip, reference_sq_norm, sq_norm, sq_norm_on_device,
+};
 pub use schedule::LrSchedule;
 
 /// Everything that can go wrong configuring or running the shard optimizer.

@@ -111,7 +111,6 @@ struct Outcome {
 fn run(case: &Case) -> Outcome {
     // Other tests of this binary record autodiff graphs on other threads; Burn 0.21's
     // registry is process-wide (see crate::model::autodiff).
-    let _autodiff = crate::model::autodiff_lock();
     let device = Default::default();
     let mut model = Net::<B>::new(&device);
     let mut optim = case.settings.to_burn().init::<B, Net<B>>();
@@ -268,7 +267,6 @@ fn matches_burn_adamw_with_global_clipping() {
 
 #[test]
 fn shard_sums_of_squares_equal_the_reference() {
-    let _autodiff = crate::model::autodiff_lock();
     let device = Default::default();
     let model = Net::<B>::new(&device);
     let (x, y) = batch::<B>(1, &device);

@@ -3,6 +3,7 @@
 
 use crate::schedule::{split_layers, LayerSplit, ZeroLevel};
 
+use super::volume::{gather_bytes, gradient_reduction, reduce_bytes, CollectiveKind};
 use super::{ModelConfig, SimConfig, SimError};
 
 /// Where every GPU sits: world rank = (dp_index·P + pp_index)·T + tp_index (tensor-parallel
@@ -72,6 +73,10 @@ pub struct CostTable {
     pub backward_weight: Vec<f64>,
     /// Bytes of the message across boundary s → s+1 (activation forward, gradient backward).
     pub message_bytes: Vec<u64>,
+    /// Bytes of one gathered weight (the compute dtype).
+    pub weight_elem_bytes: u64,
+    /// Bytes of one reduced gradient element.
+    pub grad_elem_bytes: u64,
     /// Transfer time across boundary s → s+1 (either direction).
     pub transfer: Vec<f64>,
     /// All-gather of the stage's weights over the data-parallel group.
@@ -119,6 +124,8 @@ impl CostTable {
                     backward_input: vec![b / 2.0; stages],
                     backward_weight: vec![b / 2.0; stages],
                     message_bytes: vec![0; stages],
+                    weight_elem_bytes: cfg.dtype.bytes(),
+                    grad_elem_bytes: cfg.grad_reduce_dtype.unwrap_or(cfg.dtype).bytes(),
                     transfer: vec![0.0; stages],
                     gather: vec![0.0; stages],
                     reduce: vec![0.0; stages],
@@ -142,6 +149,8 @@ impl CostTable {
                     backward_input: Vec::with_capacity(stages),
                     backward_weight: Vec::with_capacity(stages),
                     message_bytes: Vec::with_capacity(stages),
+                    weight_elem_bytes: elem,
+                    grad_elem_bytes: cfg.grad_reduce_dtype.unwrap_or(cfg.dtype).bytes(),
                     transfer: Vec::with_capacity(stages),
                     gather: Vec::with_capacity(stages),
                     reduce: Vec::with_capacity(stages),
@@ -206,17 +215,22 @@ impl CostTable {
                     // Tensor parallelism splits every matrix (and, approximately, the rest).
                     let params = params.div_ceil(t as u64);
                     table.parameters.push(params);
+                    // The bytes each member sends (`volume`), over the ring's d − 1 steps
+                    // (twice for an all-reduce), each paying the link's latency.
                     let dp_local = topo.dp_group_same_node(rank);
-                    let weight_bytes = (params * elem) as f64;
+                    let steps = cfg.dp.saturating_sub(1);
+                    let gathered = gather_bytes(&table, s, cfg.dp);
                     table
                         .gather
-                        .push(hw.ring_gather_time(weight_bytes, cfg.dp, dp_local));
-                    let reduce = if cfg.zero == ZeroLevel::Zero0 {
-                        hw.ring_all_reduce_time(weight_bytes, cfg.dp, dp_local)
-                    } else {
-                        hw.ring_gather_time(weight_bytes, cfg.dp, dp_local)
+                        .push(hw.collective_time(gathered, steps, dp_local));
+                    let reduced = reduce_bytes(&table, s, cfg.dp, cfg.zero);
+                    let rounds = match gradient_reduction(cfg.zero) {
+                        CollectiveKind::AllReduce => 2,
+                        _ => 1,
                     };
-                    table.reduce.push(reduce);
+                    table
+                        .reduce
+                        .push(hw.collective_time(reduced, rounds * steps, dp_local));
 
                     let mut act =
                         layers * g.layer_activation_bytes(b, t, cfg.flash_attention, cfg.recompute);

@@ -208,6 +208,18 @@ impl HardwareConfig {
         lat + bytes / bw
     }
 
+    /// A bandwidth-optimal collective in which each member sends `bytes` in total (see
+    /// [`super::collective_bytes`]) over `steps` rounds, each paying the link's latency: a ring
+    /// over n members takes n − 1 steps for an all-gather or a reduce-scatter, twice that for
+    /// an all-reduce.
+    pub fn collective_time(&self, bytes: u64, steps: usize, same_node: bool) -> f64 {
+        if steps == 0 {
+            return 0.0;
+        }
+        let (bw, lat) = self.link(same_node);
+        steps as f64 * lat + bytes as f64 / bw
+    }
+
     /// Ring all-gather (or reduce-scatter: same traffic) of a `bytes`-sized full buffer over
     /// `n` ranks: n − 1 steps, each moving one 1/n chunk over the slowest link of the ring
     /// (Patarasuk & Yuan 2009; NCCL's ring algorithm). Zero for n = 1.

@@ -83,6 +83,7 @@ mod strategy;
 mod strategy_tests;
 #[cfg(test)]
 mod tests;
+mod volume;
 
 use serde::Deserialize;
 
@@ -95,6 +96,9 @@ pub use memory::static_bytes;
 pub use model::{Dtype, GptShape, ModelConfig, UnitModel, MODEL_PRESETS};
 pub use result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem, JSON_KEYS};
 pub use strategy::{build_schedule, megatron_collectives, Strategy};
+pub use volume::{
+    collective_bytes, gradient_reduction, step_comm_bytes, CollectiveKind, CommBytes,
+};
 
 /// Everything that can go wrong configuring or running a simulation.
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +149,9 @@ pub struct SimConfig {
     pub flash_attention: bool,
     /// Weight, gradient and activation element type.
     pub dtype: Dtype,
+    /// Element type of the data-parallel gradient reduction; `None`: `dtype`. burn-bfpp's
+    /// engine reduces in fp32 whatever the compute dtype: set `fp32` to model it.
+    pub grad_reduce_dtype: Option<Dtype>,
     /// Full-size gradient buffers per rank at ZeRO-2/3; must match the lowering.
     pub grad_buffers: usize,
     /// Whether a rank's communication overlaps its compute (GPUs with their own copy
@@ -177,6 +184,7 @@ impl SimConfig {
             recompute: false,
             flash_attention: true,
             dtype: Dtype::Bf16,
+            grad_reduce_dtype: None,
             grad_buffers: 2,
             execution: Execution::Overlapped,
         }
@@ -204,6 +212,7 @@ impl SimConfig {
     /// recompute = false
     /// flash_attention = true
     /// dtype = "bf16"
+    /// grad_reduce_dtype = "fp32"
     /// grad_buffers = 2
     /// ```
     pub fn from_toml_str(text: &str) -> Result<Self, SimError> {
@@ -225,6 +234,7 @@ impl SimConfig {
             recompute: Option<bool>,
             flash_attention: Option<bool>,
             dtype: Option<Dtype>,
+            grad_reduce_dtype: Option<Dtype>,
             grad_buffers: Option<usize>,
             execution: Option<Execution>,
         }
@@ -247,6 +257,7 @@ impl SimConfig {
         cfg.recompute = raw.recompute.unwrap_or(cfg.recompute);
         cfg.flash_attention = raw.flash_attention.unwrap_or(cfg.flash_attention);
         cfg.dtype = raw.dtype.unwrap_or(cfg.dtype);
+        cfg.grad_reduce_dtype = raw.grad_reduce_dtype.or(cfg.grad_reduce_dtype);
         cfg.grad_buffers = raw.grad_buffers.unwrap_or(cfg.grad_buffers);
         cfg.execution = raw.execution.unwrap_or(cfg.execution);
         cfg.check()?;

@@ -100,6 +100,9 @@ pub struct SimResult {
     /// `REDUCE_GRAD`s per rank per step: reduce-scatters at ZeRO ≥ 1, all-reduces (a
     /// reduce-scatter plus an all-gather) at ZeRO-0.
     pub reduce_scatters: Vec<usize>,
+    /// Payload bytes each rank sends per step (`SEND_*`, `UNSHARD`, `REDUCE_GRAD`; see
+    /// [`super::step_comm_bytes`]): what the training engine reports as `comm_bytes`.
+    pub comm_bytes: Vec<super::CommBytes>,
     /// Per-rank, per-stream busy intervals.
     pub trace: Vec<RankTrace>,
     /// Per-rank memory over time.
@@ -107,7 +110,7 @@ pub struct SimResult {
 }
 
 /// The keys of [`SimResult::to_json`], in order.
-pub const JSON_KEYS: [&str; 11] = [
+pub const JSON_KEYS: [&str; 12] = [
     "step_time_s",
     "tokens_per_s",
     "tflops_per_gpu",
@@ -119,6 +122,7 @@ pub const JSON_KEYS: [&str; 11] = [
     "peak_activation_microbatches",
     "all_gathers",
     "reduce_scatters",
+    "comm_bytes",
 ];
 
 impl SimResult {
@@ -137,6 +141,7 @@ impl SimResult {
             "peak_activation_microbatches": self.peak_activation_microbatches,
             "all_gathers": self.all_gathers,
             "reduce_scatters": self.reduce_scatters,
+            "comm_bytes": self.comm_bytes,
         })
     }
 }

@@ -1,6 +1,8 @@
 //! What the equivalence tests share: the tiny GPT, its deterministic batches, the plain-Burn
 //! reference training and the comparisons (used by `engine_equivalence` and `process_ranks`).
 
+// Tests read values freely; only burn-bfpp's own reads are counted (its clippy.toml).
+#![allow(clippy::disallowed_methods)]
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]
 
@@ -15,9 +17,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::engine::EngineConfig;
-use burn_bfpp::model::{
-    autodiff_lock, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel, Targets,
-};
+use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel, Targets};
 use burn_bfpp::optim::{AdamWSettings, LrSchedule};
 use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
 use std::time::Duration;
@@ -78,7 +78,6 @@ pub fn batch(step: usize, dp_index: usize, microbatch: usize) -> MicroBatch<B> {
 }
 
 pub fn model() -> Gpt<B> {
-    let _guard = autodiff_lock();
     gpt_config()
         .init_seeded::<B>(7, &Default::default())
         .expect("valid config")
@@ -99,7 +98,6 @@ pub fn reference_of(model: Gpt<B>, dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
     let ce = CrossEntropyLossConfig::new().init(&Default::default());
     let mut losses = Vec::new();
     for step in 1..=STEPS {
-        let _guard = autodiff_lock();
         let mut total: Option<Tensor<B, 1>> = None;
         for d in 0..dp {
             for m in 0..M {
@@ -169,6 +167,36 @@ pub fn max_param_err(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
             f64::from(diff / scale)
         })
         .fold(0.0, f64::max)
+}
+
+/// The bytes every world rank's step list sends under `cfg`, by the simulator's formulas
+/// ([`burn_bfpp::sim::step_comm_bytes`]) with this model's real stage sizes: messages of
+/// `MBS × seq × hidden` activations and weights gathered in the compute dtype, gradients
+/// reduced in fp32 (what the engine does).
+pub fn predicted_comm_bytes(cfg: &EngineConfig) -> Vec<burn_bfpp::comm::CommBytes> {
+    use burn_bfpp::model::split_model;
+    use burn_bfpp::sim::{step_comm_bytes, CostTable, SimConfig};
+    let program = cfg.program().expect("valid layout");
+    let mut sim = SimConfig::unit();
+    sim.dp = cfg.dp;
+    sim.zero = cfg.zero;
+    let mut table =
+        CostTable::new(&sim, &program.stage_ranks, program.num_ranks(), M).expect("unit costs");
+    let base = model();
+    let ranges = split_model(&base, program.num_stages(), &cfg.split).expect("split");
+    table.parameters = base
+        .stages(&ranges)
+        .expect("stages")
+        .iter()
+        .map(|s| s.num_params() as u64)
+        .collect();
+    let elem = cfg.precision.dtype().size() as u64;
+    let g = gpt_config();
+    table.message_bytes = vec![(MBS * g.seq_len * g.hidden) as u64 * elem; program.num_stages()];
+    table.weight_elem_bytes = elem;
+    table.grad_elem_bytes = 4;
+    let per_pp = step_comm_bytes(&program, &table, cfg.dp, cfg.zero);
+    (0..cfg.pp * cfg.dp).map(|r| per_pp[r % cfg.pp]).collect()
 }
 
 pub fn config(

@@ -10,7 +10,7 @@ use burn_cubecl::{BoolElement, FloatElement, IntElement};
 
 use super::super::nccl_group::{nccl_unique_id, NcclMember};
 use super::super::nccl_host::{setup_group, NcclHost};
-use super::super::{CommConfig, CommError, Communicator, Group, LocalComm, RankGrid};
+use super::super::{ByteCounter, CommConfig, CommError, Communicator, Group, LocalComm, RankGrid};
 use super::{CudaBackend, NcclComm};
 
 /// What to look at when NCCL cannot create a communicator.
@@ -104,6 +104,10 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
                     dp: RefCell::new(dp),
                     pp: pp.map(RefCell::new),
                     launched: RefCell::default(),
+                    sends: RefCell::default(),
+                    transfers: RefCell::default(),
+                    sent: ByteCounter::default(),
+                    debug_calls: super::debug_collectives(),
                     _elements: PhantomData,
                 })
             })
@@ -156,6 +160,10 @@ where
             dp: RefCell::new(dp),
             pp: pp.map(RefCell::new),
             launched: RefCell::default(),
+            sends: RefCell::default(),
+            transfers: RefCell::default(),
+            sent: ByteCounter::default(),
+            debug_calls: super::debug_collectives(),
             _elements: PhantomData,
         })
     }

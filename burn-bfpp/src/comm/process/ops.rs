@@ -3,7 +3,7 @@
 //! group-rank order.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 use super::super::pending::{self, Collective, Pending};
 use super::super::wire::{self, Payload, Stream};
@@ -26,7 +26,7 @@ impl<B: Backend, T: Transport> ProcessRank<B> for ProcessComm<B, T> {
         let action = CommOp::Send { tag };
         self.check(action, &[bytes.len()])?;
         self.check_peer(peer, action)?;
-        self.post_data(peer, Stream::Bytes(tag), action, &Payload::Bytes(bytes))
+        self.post_data(peer, Stream::Bytes(tag), action, Payload::Bytes(bytes))
     }
 
     fn recv_bytes(&self, peer: usize, tag: u64) -> Result<Vec<u8>, CommError> {
@@ -63,8 +63,10 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
         let shape = tensor.dims().to_vec();
         self.check(action, &shape)?;
         self.check_peer(peer, action)?;
-        let buf = self.read_host(tensor, action)?;
-        self.post_data(peer, Stream::P2p(tag), action, &Payload::Tensor(buf))
+        let data = self.read_data(tensor, action)?;
+        self.sent
+            .add(Group::Pipeline, data.shape.num_elements(), data.dtype);
+        self.post_data(peer, Stream::P2p(tag), action, Payload::Tensor(data))
     }
 
     fn recv<const D: usize>(
@@ -72,14 +74,22 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
         peer: usize,
         tag: u64,
         shape: [usize; D],
+        dtype: DType,
     ) -> Result<Tensor<B, D>, CommError> {
         let action = CommOp::Recv { tag };
         self.check(action, &shape)?;
         self.check_peer(peer, action)?;
         // A message's `op` is the sender's `Send`; p2p streams are matched by tag alone.
         let payload = self.wait(peer, Stream::P2p(tag), action, &shape)?;
-        let buf = self.expect_tensor(payload, peer, action, &shape)?;
-        Ok(self.build_tensor(buf.into_data()))
+        let data = self.expect_tensor(payload, peer, action, &shape)?;
+        if data.dtype != dtype {
+            let reason = format!(
+                "rank {peer} sent {:?} values where {dtype:?} was expected",
+                data.dtype
+            );
+            return Err(self.fail(self.data(action, reason)));
+        }
+        Ok(self.build_tensor(data))
     }
 
     fn all_gather(&self, group: Group, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, CommError> {
@@ -128,32 +138,33 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
                 ),
             }));
         };
-        let stream = Stream::Collective(group, self.next_seq(group));
+        let stream = Stream::Collective(group, self.next_seq(group), 0);
         if root_rank == self.rank {
             if members.len() > 1 {
-                let mine = Payload::Tensor(self.read_host(tensor.clone(), action)?);
+                let mine = self.read_data(tensor.clone(), action)?;
                 for &m in members.iter().filter(|&&m| m != self.rank) {
-                    self.post_data(m, stream, action, &mine)?;
+                    self.sent.add(group, mine.shape.num_elements(), mine.dtype);
+                    self.post_data(m, stream, action, Payload::Tensor(mine.clone()))?;
                 }
             }
             return Ok(tensor);
         }
         let payload = self.wait(root_rank, stream, action, &shape)?;
-        let buf = self.expect_tensor(payload, root_rank, action, &shape)?;
-        Ok(self.build_tensor(buf.into_data()))
+        let data = self.expect_tensor(payload, root_rank, action, &shape)?;
+        Ok(self.build_tensor(data))
     }
 
     fn barrier(&self, group: Group) -> Result<(), CommError> {
         let action = CommOp::Barrier(group);
         self.check(action, &[])?;
-        let stream = Stream::Collective(group, self.next_seq(group));
+        let stream = Stream::Collective(group, self.next_seq(group), 0);
         let others: Vec<usize> = self
             .group_members(group)
             .into_iter()
             .filter(|&r| r != self.rank)
             .collect();
         for &m in &others {
-            self.post_data(m, stream, action, &Payload::Empty)?;
+            self.post_data(m, stream, action, Payload::Empty)?;
         }
         for &m in &others {
             self.wait(m, stream, action, &[])?;
@@ -167,6 +178,10 @@ impl<B: Backend, T: Transport> Communicator<B> for ProcessComm<B, T> {
 
     fn finish(&self, pending: Pending<B>) -> Result<Tensor<B, 1>, CommError> {
         pending::finish(self, pending)
+    }
+
+    fn bytes_sent(&self) -> super::super::CommBytes {
+        self.sent.get()
     }
 
     fn abort(&self, cause: &str) {

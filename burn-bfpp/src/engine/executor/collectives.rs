@@ -5,6 +5,7 @@
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 
+use super::super::stage::in_dtype;
 use super::super::EngineError;
 use super::{Inner, RankExecutor};
 use crate::comm::{Collective, Communicator, Group, Pending, ReduceOp};
@@ -25,10 +26,13 @@ where
     C: Communicator<Inner<B>>,
 {
     /// Starts the all-gather of the stage's shards; [`Self::finish_collectives`] puts the
-    /// result into its module before the stage computes.
+    /// result into its module before the stage computes. The shards travel in the compute
+    /// dtype (bf16 as bf16): the module holds them so anyway, and narrowing before the gather
+    /// is bitwise the same as after it.
     pub(super) fn unshard(&mut self, s: usize) -> Result<(), EngineError> {
         let comm = self.comm;
-        let shard = self.stage_mut(s)?.owned.clone();
+        let stage = self.stage_mut(s)?;
+        let shard = in_dtype(stage.owned.clone(), stage.compute);
         let pending = comm.start(Collective::AllGather {
             group: Group::DataParallel,
             shard,

@@ -3,14 +3,16 @@
 //! overflow), and the step's mean loss.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::Tensor;
 
-use super::super::nonfinite::{NonFinitePolicy, NonFiniteReport, GRADIENT, LOSS};
+use super::super::nonfinite::{NonFinitePolicy, NonFiniteReport};
+use super::super::summary::{StepSummary, TableLayout};
 use super::super::EngineError;
 use super::{Inner, RankExecutor};
 use crate::comm::{Communicator, Group, ReduceOp};
+use crate::host_read::{read, ReadPurpose};
 use crate::model::PipelineStage;
-use crate::optim::{clip_coefficient, clip_grad, sq_norm};
+use crate::optim::{clip_coefficient, clip_grad, sq_norm_on_device};
 use crate::schedule::ZeroLevel;
 
 impl<B, S, C> RankExecutor<'_, B, S, C>
@@ -19,71 +21,67 @@ where
     S: PipelineStage<B>,
     C: Communicator<Inner<B>>,
 {
+    /// Reduces the step's table (see [`super::super::summary`]) over the world and reads it:
+    /// the step's one synchronising read of the device.
+    pub(super) fn step_summary(&mut self) -> Result<StepSummary, EngineError> {
+        let layout = TableLayout {
+            dp: self.comm.grid().dp(),
+            stages: self.settings.num_stages,
+        };
+        let device = self.comm.device().clone();
+        let mut table = Tensor::<Inner<B>, 1>::zeros([layout.len()], &device);
+        for stage in &self.stages {
+            if let Some(grad) = &stage.grad_owned {
+                let slot = layout.sq_slot(self.dp_index, stage.index);
+                table = table.slice_assign(slot..slot + 1, sq_norm_on_device(grad));
+            }
+        }
+        if let Some(loss) = self.loss_sum.take() {
+            let slot = layout.loss_slot(self.dp_index);
+            table = table.slice_assign(slot..slot + 1, loss);
+        }
+        table = self
+            .comm
+            .all_reduce(Group::Pipeline, table, ReduceOp::Sum)?;
+        table = self
+            .comm
+            .all_reduce(Group::DataParallel, table, ReduceOp::Sum)?;
+        let values = read(table, ReadPurpose::Sync)
+            .map_err(|e| EngineError::Optimizer(format!("reading the step's table: {e:?}")))?
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| EngineError::Optimizer(format!("the step's table: {e:?}")))?;
+        StepSummary::decode(
+            &values,
+            layout,
+            self.comm.grid(),
+            &self.settings.stage_ranks,
+            self.settings.zero == ZeroLevel::Zero0,
+            self.settings.microbatches,
+        )
+        .map_err(EngineError::Optimizer)
+    }
+
     /// Clip by the global gradient norm and update every owned shard; returns whether the
     /// update was skipped.
     ///
-    /// The squared norm travels with the non-finite flags (see [`super::super::nonfinite`])
-    /// in one all-reduce per group, so every rank learns the same norm and the same flags and
-    /// takes the same decision.
-    pub(super) fn optimizer_step(&mut self, step: usize, lr: f64) -> Result<bool, EngineError> {
-        let stage_sq: Vec<f64> = self
-            .stages
-            .iter()
-            .map(|st| st.grad_owned.as_ref().map_or(0.0, sq_norm))
-            .collect();
-        let local_sq: f64 = stage_sq.iter().sum();
-        let num_stages = self.settings.num_stages;
-        let dp = self.comm.grid().dp();
-        // Slot 0: the squared norm; then one flag per (replica, stage), written by its holder.
-        let mut values = vec![0.0f32; 1 + dp * num_stages];
-        values[0] = local_sq as f32;
-        let last = num_stages - 1;
-        let loss_bad = self.losses.iter().any(|l| !l.is_finite());
-        for (st, sq) in self.stages.iter().zip(&stage_sq) {
-            let slot = 1 + self.dp_index * num_stages + st.index;
-            if !sq.is_finite() {
-                values[slot] += GRADIENT;
-            }
-            if st.index == last && loss_bad {
-                values[slot] += LOSS;
-            }
-        }
-        // Every parameter value is owned once per pipeline replica at ZeRO-0 and once
-        // globally above: sum the norm over the pipeline, and above ZeRO-0 over the replicas
-        // too. At ZeRO-0 the replicas hold the same norm, so only replica 0 contributes it to
-        // the data-parallel sum (x + 0 + … + 0 = x exactly), which the flags need anyway.
-        let device = self.comm.device().clone();
-        let len = values.len();
-        let mut total = Tensor::<Inner<B>, 1>::from_data(TensorData::new(values, [len]), &device);
-        total = self
-            .comm
-            .all_reduce(Group::Pipeline, total, ReduceOp::Sum)?;
-        if self.settings.zero == ZeroLevel::Zero0 && self.dp_index != 0 {
-            total = total.slice_fill(0..1, 0.0);
-        }
-        total = self
-            .comm
-            .all_reduce(Group::DataParallel, total, ReduceOp::Sum)?;
-        let reduced = total
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| EngineError::Optimizer(format!("gradient norm: {e:?}")))?;
-        let total_sq = f64::from(reduced[0]);
-        let report = NonFiniteReport::from_flags(
-            &reduced[1..],
-            self.comm.grid(),
-            &self.settings.stage_ranks,
-            total_sq.is_finite(),
-        );
+    /// Every rank learns the same norm and the same non-finite places from the step's table,
+    /// so every rank takes the same decision.
+    pub(super) fn optimizer_step(
+        &mut self,
+        step: usize,
+        lr: f64,
+        summary: &StepSummary,
+    ) -> Result<bool, EngineError> {
+        let report = &summary.report;
         if report.any() {
             if self.scaler.enabled() && report.loss.is_empty() {
-                return Ok(self.overflow_step(step, report));
+                return Ok(self.overflow_step(step, report.clone()));
             }
-            return self.non_finite_step(step, report);
+            return self.non_finite_step(step, report.clone());
         }
         self.scaler.good();
-        let coefficient = clip_coefficient(total_sq, self.settings.max_grad_norm);
+        let coefficient = clip_coefficient(summary.total_sq, self.settings.max_grad_norm);
         for stage in &mut self.stages {
             let grad = stage.grad_owned.take().ok_or(EngineError::Missing {
                 what: "reduced gradient",
@@ -144,19 +142,5 @@ where
             );
         }
         true
-    }
-
-    /// The step's mean loss over every micro-batch of every replica, on last-stage ranks.
-    pub(super) fn step_loss(&mut self) -> Result<Option<f64>, EngineError> {
-        if !self.local(self.settings.num_stages - 1) {
-            return Ok(None);
-        }
-        let mean = self.losses.iter().sum::<f64>() / self.losses.len().max(1) as f64;
-        let device = self.comm.device().clone();
-        let t = Tensor::<Inner<B>, 1>::from_floats([mean as f32], &device);
-        let t = self
-            .comm
-            .all_reduce(Group::DataParallel, t, ReduceOp::Mean)?;
-        Ok(Some(t.into_scalar().elem()))
     }
 }

@@ -32,6 +32,8 @@ impl<B: Backend> Mlp<B> {
         outputs: usize,
         device: &B::Device,
     ) -> Self {
+        // Tests build models on parallel threads: keep the draws of one model together.
+        let _draws = crate::model::random_init_lock();
         let mut dims = vec![inputs];
         dims.extend(std::iter::repeat_n(width, depth + 1));
         dims.push(outputs);

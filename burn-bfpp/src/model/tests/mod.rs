@@ -13,14 +13,6 @@ use super::*;
 type B = Autodiff<Flex>;
 type Inner = Flex;
 
-/// Runs `f` under [`autodiff_lock`]. Tests run on parallel threads, and Burn 0.21's autodiff
-/// is not safe to drive from several threads at once (see [`super::autodiff`]); the lock also
-/// keeps Flex's global random state from being drawn by two model inits at once.
-fn locked<T>(f: impl FnOnce() -> T) -> T {
-    let _guard = autodiff_lock();
-    f()
-}
-
 mod mlp_regressor;
 use mlp_regressor::Mlp;
 
@@ -71,9 +63,8 @@ fn mlp_batches(count: usize, batch: usize, inputs: usize, outputs: usize) -> Vec
 
 /// Runs the micro-batches through the stages breadth-first (every forward of a stage, then,
 /// stages in reverse, every backward with micro-batches in reverse order), each stage and
-/// micro-batch on its own graph joined by the recipe of [`super::autodiff`], every recording
-/// call under [`autodiff_lock`]. Returns the mean loss and each stage's flat gradient summed
-/// over micro-batches.
+/// micro-batch on its own graph joined by the recipe of [`super::autodiff`]. Returns the mean
+/// loss and each stage's flat gradient summed over micro-batches.
 fn pipelined<M: PipelineModel<B>>(
     model: &M,
     ranges: &[Range<usize>],
@@ -93,16 +84,16 @@ fn pipelined<M: PipelineModel<B>>(
         let mut outputs = Vec::new();
         let mut next = Vec::new();
         for (input, batch) in inputs.into_iter().zip(batches) {
-            let copy = locked(|| fresh_leaves(stage));
+            let copy = fresh_leaves(stage);
             let (leaf, input) = match input {
                 StageInput::Hidden(h) => {
-                    let leaf = locked(|| input_leaf(h));
+                    let leaf = input_leaf(h);
                     (Some(leaf.clone()), StageInput::Hidden(leaf))
                 }
                 data => (None, data),
             };
             let targets = stage.is_last().then_some(&batch.targets);
-            let out = locked(|| copy.forward(input, targets)).unwrap();
+            let out = copy.forward(input, targets).unwrap();
             if let StageOutput::Hidden(h) = &out {
                 next.push(StageInput::Hidden(h.clone()));
             }
@@ -122,11 +113,11 @@ fn pipelined<M: PipelineModel<B>>(
             let grads = match out {
                 StageOutput::Loss(loss) => {
                     loss_sum += loss.clone().into_scalar().elem::<f64>();
-                    locked(|| loss_backward(loss, 1.0 / m as f64))
+                    loss_backward(loss, 1.0 / m as f64)
                 }
                 StageOutput::Hidden(h) => {
                     let g = grad_out[i].take().unwrap();
-                    locked(|| stage_backward(h, g)).unwrap()
+                    stage_backward(h, g).unwrap()
                 }
             };
             if let Some(leaf) = leaf {
@@ -149,12 +140,12 @@ fn single_device<M: PipelineModel<B>>(
     model: &M,
     batches: &[MicroBatch<B>],
 ) -> (f64, Tensor<Inner, 1>) {
-    let (loss, grads) = locked(|| {
+    let (loss, grads) = {
         let losses: Vec<Tensor<B, 1>> = batches.iter().map(|b| model.loss(b).unwrap()).collect();
         let loss = Tensor::cat(losses, 0).mean();
         let grads = loss.backward();
         (loss, grads)
-    });
+    };
     (
         loss.into_scalar().elem::<f64>(),
         flatten_grads(model, &grads),
@@ -233,7 +224,7 @@ fn small_gpt() -> GptConfig {
 #[test]
 fn gpt_pipelined_gradients_match_single_device() {
     let config = small_gpt();
-    let model = locked(|| config.init_seeded::<B>(1, &Default::default()).unwrap());
+    let model = config.init_seeded::<B>(1, &Default::default()).unwrap();
     let batches = gpt_batches(&config, 3, 2);
     check_equivalence(&model, &[0..2, 2..4, 4..6], &batches);
     let balanced = split_model(&model, 4, &ModelSplit::Balanced).unwrap();
@@ -242,7 +233,7 @@ fn gpt_pipelined_gradients_match_single_device() {
 
 #[test]
 fn mlp_pipelined_gradients_match_single_device() {
-    let model = locked(|| Mlp::<B>::new(5, 16, 6, 3, &Default::default()));
+    let model = Mlp::<B>::new(5, 16, 6, 3, &Default::default());
     let batches = mlp_batches(4, 3, 5, 3);
     check_equivalence(&model, &[0..1, 1..4, 4..7, 7..8], &batches);
     check_equivalence(&model, &[0..5, 5..8], &batches);
@@ -250,7 +241,6 @@ fn mlp_pipelined_gradients_match_single_device() {
 
 #[test]
 fn stage_buffers_concatenate_to_the_model_buffer_and_recombine() {
-    let _guard = autodiff_lock();
     let config = small_gpt();
     let model = config.init::<B>(&Default::default()).unwrap();
     let stages = model.stages(&[0..1, 1..4, 4..6]).unwrap();
@@ -278,13 +268,13 @@ fn stage_buffers_concatenate_to_the_model_buffer_and_recombine() {
 
 #[test]
 fn buffers_and_recombination_reject_mismatches() {
-    let (a, b) = locked(|| {
+    let (a, b) = {
         let device = Default::default();
         (
             Mlp::<B>::new(2, 4, 1, 1, &device),
             Mlp::<B>::new(2, 4, 1, 1, &device),
         )
-    });
+    };
     let stage = a.stage(0..2).unwrap();
     let short = Tensor::<B, 1>::zeros([3], &Default::default());
     assert!(matches!(
@@ -308,14 +298,14 @@ fn buffers_and_recombination_reject_mismatches() {
 #[test]
 fn same_seed_same_model() {
     let config = small_gpt();
-    let (x, y, z) = locked(|| {
+    let (x, y, z) = {
         let device = Default::default();
         (
             config.init_seeded::<B>(5, &device).unwrap(),
             config.init_seeded::<B>(5, &device).unwrap(),
             config.init_seeded::<B>(6, &device).unwrap(),
         )
-    });
+    };
     let flat = |m: &Gpt<B>| to_vec(flatten_params(m).inner());
     assert_eq!(flat(&x), flat(&y));
     assert_ne!(flat(&x), flat(&z));
@@ -323,7 +313,6 @@ fn same_seed_same_model() {
 
 #[test]
 fn attention_is_causal_and_stages_compose_to_the_model() {
-    let _guard = autodiff_lock();
     let config = small_gpt();
     let model = config.init::<B>(&Default::default()).unwrap();
     let mut state = 3;
@@ -355,7 +344,6 @@ fn attention_is_causal_and_stages_compose_to_the_model() {
 
 #[test]
 fn tied_head_runs_unsplit_and_refuses_to_split() {
-    let _guard = autodiff_lock();
     let config = GptConfig {
         tied_head: true,
         ..small_gpt()
@@ -372,7 +360,6 @@ fn tied_head_runs_unsplit_and_refuses_to_split() {
 
 #[test]
 fn stages_reject_wrong_inputs() {
-    let _guard = autodiff_lock();
     let config = small_gpt();
     let model = config.init::<B>(&Default::default()).unwrap();
     let stages = model.stages(&[0..2, 2..6]).unwrap();
@@ -437,14 +424,13 @@ fn default_config_serde_and_validation() {
     ));
 }
 
-/// Two threads driving stages of one shared model, each forward and backward under
-/// [`autodiff_lock`] and freely interleaved between them, as ranks-as-threads would: every
-/// run must be exact. (Without the lock this loses gradients or deadlocks; see
-/// [`super::autodiff`].)
+/// Two threads driving stages of one shared model at the same time, with no lock, as
+/// ranks-as-threads do: every run must be exact (with the published burn-autodiff 0.21.0 this
+/// lost gradients; see [`super::autodiff`]).
 #[test]
-fn threads_under_the_autodiff_lock_get_exact_gradients() {
+fn concurrent_threads_get_exact_gradients() {
     let config = small_gpt();
-    let model = locked(|| config.init::<B>(&Default::default()).unwrap());
+    let model = config.init::<B>(&Default::default()).unwrap();
     let batches = gpt_batches(&config, 3, 2);
     let (_, want) = single_device(&model, &batches);
     let want = to_vec(want);
@@ -473,7 +459,6 @@ fn threads_under_the_autodiff_lock_get_exact_gradients() {
 
 #[test]
 fn fresh_leaves_share_values_and_ids_but_not_gradients() {
-    let _guard = autodiff_lock();
     let model = Mlp::<B>::new(2, 4, 1, 1, &Default::default());
     let copy = fresh_leaves(&model);
     let ids = |m: &Mlp<B>| m.layers.iter().map(|l| l.weight.id).collect::<Vec<_>>();

@@ -6,6 +6,7 @@ use crate::schedule::PipelineSchedule;
 use super::super::cost::CostTable;
 use super::super::memory::{static_bytes, static_weight_elements};
 use super::super::result::{Interval, MemoryLog, SimResult, TraceItem};
+use super::super::volume::step_comm_bytes;
 use super::super::SimConfig;
 use super::RankState;
 
@@ -42,6 +43,7 @@ pub(super) fn finish(
         peak_activation_microbatches: Vec::with_capacity(n),
         all_gathers: Vec::with_capacity(n),
         reduce_scatters: Vec::with_capacity(n),
+        comm_bytes: step_comm_bytes(schedule, costs, cfg.dp, cfg.zero),
         trace: Vec::with_capacity(n),
         memory: Vec::with_capacity(n),
     };
