@@ -1,7 +1,8 @@
-//! `bfpp launch --nproc 4 -- train …`: four processes give the in-process run's `--json`
-//! report bit for bit, and a failing rank is named by the others; with the processes
-//! connected over TCP (`--via tcp`, every build with `flex`) and over MPI (`--via mpirun`,
-//! builds with the `mpi` feature).
+//! `bfpp launch --nproc 4 -- train …`: CPU ranks are MPI processes under `mpirun`. Four of them
+//! give the in-process run's `--json` report bit for bit, a failing rank is named by the
+//! others, and a crashed one ends the launch at once (builds with the `mpi` feature). A build
+//! without MPI, a machine without `mpirun`, and CPU ranks started with torchrun's variables
+//! are refused with the fix.
 //!
 //! The MPI tests need `mpirun` on PATH (Debian/Ubuntu: `apt-get install openmpi-bin
 //! libopenmpi-dev`); without it `bfpp launch` fails with that hint and so do they.
@@ -13,7 +14,9 @@ use tempfile::TempDir;
 
 mod common;
 use common::bounded::{output_within, outputs_within, LAUNCH_DEADLINE};
-use common::{json_of, output_text, scratch_dir, TINY};
+#[cfg(feature = "mpi")]
+use common::json_of;
+use common::{output_text, scratch_dir, TINY};
 
 /// With the TINY model: P=2 V=2 D=2 ZeRO-3 breadth-first, three steps.
 const RUN: &[&str] = &[
@@ -32,17 +35,14 @@ const RUN: &[&str] = &[
     "--json",
 ];
 
-/// `bfpp [launch --via VIA --nproc N --] train RUN --out-dir DIR` with `env`: its output, its
-/// folder and how long it ran.
-fn bfpp(
-    launch: Option<(&str, usize)>,
-    name: &str,
-    env: &[(&str, &str)],
-) -> (Output, TempDir, Duration) {
+/// `bfpp [launch --nproc N --] train RUN --out-dir DIR` with `env`: its output, its folder and
+/// how long it ran.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+fn bfpp(launch: Option<usize>, name: &str, env: &[(&str, &str)]) -> (Output, TempDir, Duration) {
     let dir = scratch_dir("launch-cli", name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
-    if let Some((via, n)) = launch {
-        cmd.args(["launch", "--via", via, "--nproc", &n.to_string(), "--"]);
+    if let Some(n) = launch {
+        cmd.args(["launch", "--nproc", &n.to_string(), "--"]);
     }
     cmd.arg("train")
         .args(TINY)
@@ -60,16 +60,19 @@ fn bfpp(
     (launched.outputs.remove(0), dir, launched.took)
 }
 
-/// Four processes started `via` report what the in-process run reports.
-fn four_processes_report_what_the_in_process_run_reports(via: &str) {
-    let (launched, launched_dir, _) = bfpp(Some((via, 4)), via, &[]);
-    let (local, _, _) = bfpp(None, &format!("{via}-local"), &[]);
+#[cfg(feature = "mpi")]
+#[test]
+fn four_mpi_processes_report_what_the_in_process_run_reports() {
+    let (launched, launched_dir, _) = bfpp(Some(4), "mpi", &[]);
+    let (local, _, _) = bfpp(None, "mpi-local", &[]);
     let (m, l) = (json_of(&launched), json_of(&local));
     // Identical values print identically, so the text comparison is a bitwise one.
-    for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
+    for key in ["losses", "param_l2_norm", "peak_param_bytes", "comm_bytes"] {
         assert_eq!(m[key].to_string(), l[key].to_string(), "{key} differs");
     }
     assert_eq!(m["losses"].as_array().map(Vec::len), Some(3));
+    // One synchronising read per step on every rank, whatever the transport.
+    assert_eq!(m["host_reads_per_step"], serde_json::json!([1, 1, 1, 1]));
     // Rank 0 wrote every rank's timeline.
     let trace =
         std::fs::read_to_string(launched_dir.path().join("trace.json")).expect("trace.json");
@@ -81,12 +84,12 @@ fn four_processes_report_what_the_in_process_run_reports(via: &str) {
     }
 }
 
-/// Rank 1 of four processes started `via` fails; the others stop and name it.
-fn a_failing_rank_stops_the_launch_and_is_named(via: &str) {
-    let name = format!("{via}-fault");
+#[cfg(feature = "mpi")]
+#[test]
+fn a_failing_mpi_rank_stops_the_launch_and_is_named() {
     let (out, _, took) = bfpp(
-        Some((via, 4)),
-        &name,
+        Some(4),
+        "mpi-fault",
         &[("BFPP_FAULT_INJECT", "rank=1,step=2")],
     );
     let log = output_text(&out);
@@ -98,123 +101,88 @@ fn a_failing_rank_stops_the_launch_and_is_named(via: &str) {
     assert!(took < Duration::from_secs(60), "took {took:?}:\n{log}");
 }
 
-#[test]
-fn four_tcp_processes_report_what_the_in_process_run_reports() {
-    four_processes_report_what_the_in_process_run_reports("tcp");
-}
-
-#[test]
-fn a_failing_tcp_rank_stops_the_launch_and_is_named() {
-    a_failing_rank_stops_the_launch_and_is_named("tcp");
-}
-
+/// A rank whose process dies without a word (a crash, a kill) ends the launch at once, and
+/// mpirun names it: well before the ranks' 10 s communication timeout.
 #[cfg(feature = "mpi")]
 #[test]
-fn four_mpi_processes_report_what_the_in_process_run_reports() {
-    four_processes_report_what_the_in_process_run_reports("mpirun");
-}
-
-#[cfg(feature = "mpi")]
-#[test]
-fn a_failing_mpi_rank_stops_the_launch_and_is_named() {
-    a_failing_rank_stops_the_launch_and_is_named("mpirun");
-}
-
-#[test]
-fn two_tcp_launchers_as_two_nodes_report_what_the_in_process_run_reports() {
-    let port = burn_bfpp::comm::free_local_port()
-        .expect("a free port")
-        .to_string();
-    let dir = scratch_dir("launch-cli", "two-nodes");
-    // Two `bfpp launch` of two processes each, as on two machines: node 0 serves the store.
-    let node = |rank: &str| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
-        cmd.args(["launch", "--via", "tcp", "--nproc", "2", "--nnodes", "2"])
-            .args(["--node-rank", rank, "--master-addr", "127.0.0.1"])
-            .args(["--master-port", &port, "--", "train"])
-            .args(TINY)
-            .args(RUN)
-            .arg("--out-dir")
-            .arg(dir.path())
-            .env_remove("BFPP_FAULT_INJECT");
-        cmd
-    };
-    let mut nodes = outputs_within(vec![node("0"), node("1")], LAUNCH_DEADLINE).outputs;
-    let (first, second) = (nodes.remove(0), nodes.remove(0));
-    assert!(second.status.success(), "node 1:\n{}", output_text(&second));
-    let (local, _, _) = bfpp(None, "two-nodes-local", &[]);
-    // World rank 0 runs on node 0 and reports; node 1's ranks print nothing.
-    let (n, l) = (json_of(&first), json_of(&local));
-    for key in ["losses", "param_l2_norm", "peak_param_bytes"] {
-        assert_eq!(n[key].to_string(), l[key].to_string(), "{key} differs");
-    }
+fn a_crashed_mpi_rank_ends_the_launch_at_once_and_is_named() {
+    let start = Instant::now();
+    let (out, _, _) = bfpp(
+        Some(4),
+        "mpi-crash",
+        &[("BFPP_FAULT_INJECT", "rank=1,step=2,kind=abort")],
+    );
+    let took = start.elapsed();
+    let log = output_text(&out);
+    assert!(!out.status.success(), "the launch succeeded:\n{log}");
+    assert!(log.contains("injected abort at step 2"), "{log}");
     assert!(
-        second.stdout.is_empty(),
-        "node 1 printed:\n{}",
-        output_text(&second)
+        log.contains("rank 1"),
+        "neither mpirun nor a rank named rank 1:\n{log}"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}:\n{log}");
+}
+
+/// Without MPI there is no multi-process CPU run: the launch says how to get MPI, or to run
+/// the ranks as threads.
+#[test]
+fn a_cpu_launch_without_mpi_says_how_to_get_it_or_to_use_threads() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+    cmd.args(["launch", "--nproc", "4", "--", "train"])
+        .args(TINY);
+    // A build with MPI on a machine without it: no mpirun on PATH.
+    if cfg!(feature = "mpi") {
+        cmd.env("PATH", "");
+    }
+    let out = output_within(cmd, Duration::from_secs(60));
+    let log = output_text(&out);
+    assert!(!out.status.success(), "it ran:\n{log}");
+    let install = if cfg!(feature = "mpi") {
+        "apt-get install openmpi-bin libopenmpi-dev"
+    } else {
+        "--features mpi"
+    };
+    assert!(
+        log.contains(install) && log.contains("as threads of one process"),
+        "{log}"
     );
 }
 
+/// CPU ranks started with torchrun's variables are refused: those start GPU ranks.
 #[test]
-fn a_killed_tcp_rank_is_named_by_the_others_well_before_the_timeout() {
-    let port = burn_bfpp::comm::free_local_port().expect("a free port");
-    let dir = scratch_dir("launch-cli", "killed");
-    // Rank 1 stalls at step 2 (as a hung or swapping process would), and is then killed.
-    let mut ranks: Vec<_> = (0..4)
-        .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_bfpp"))
-                .arg("train")
-                .args(TINY)
-                .args(RUN)
-                .arg("--out-dir")
-                .arg(dir.path())
-                .envs(burn_bfpp::comm::RendezvousEnv::on_this_machine(rank, 4, port).vars())
-                .env("BFPP_FAULT_INJECT", "rank=1,step=2,kind=sleep,secs=120")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .expect("the bfpp binary runs")
-        })
-        .collect();
-    std::thread::sleep(Duration::from_secs(3));
-    let start = Instant::now();
-    ranks[1].kill().expect("rank 1 can be killed");
-    let outputs: Vec<Output> = ranks
-        .into_iter()
-        .map(|r| r.wait_with_output().expect("a rank ends"))
-        .collect();
-    let took = start.elapsed();
-    for (rank, out) in outputs.iter().enumerate().filter(|(r, _)| *r != 1) {
-        let log = output_text(out);
-        assert!(!out.status.success(), "rank {rank} succeeded:\n{log}");
-        assert!(
-            log.contains("the connection to rank 1 ended"),
-            "rank {rank} does not name rank 1:\n{log}"
-        );
-    }
-    // The others stop on the closed connections, not at RUN's 10 s timeout (which would say
-    // "timed out" and come about 7 s after the kill).
-    assert!(took < Duration::from_secs(4), "took {took:?}");
-}
-
-#[test]
-fn comm_tcp_without_a_launcher_says_how_to_start_the_processes() {
-    let out = Command::new(env!("CARGO_BIN_EXE_bfpp"))
-        .arg("train")
+fn cpu_ranks_started_like_gpu_ranks_say_how_to_start_them() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+    cmd.arg("train")
         .args(TINY)
         .args(RUN)
-        .args(["--comm", "tcp"])
-        .env_remove("RANK")
-        .env_remove("SLURM_PROCID")
-        .output()
-        .expect("the bfpp binary runs");
+        .envs([
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .env_remove("OMPI_COMM_WORLD_SIZE");
+    let out = output_within(cmd, Duration::from_secs(60));
     let log = output_text(&out);
     assert!(!out.status.success(), "it ran:\n{log}");
     assert!(
-        log.contains("needs the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or")
+        log.contains("CPU ranks as processes run under MPI")
             && log.contains("bfpp launch --nproc 4 -- train"),
         "{log}"
     );
+}
+
+/// The multi-machine flags are for GPU ranks; CPU ranks spread over machines through MPI.
+#[test]
+fn multi_node_flags_for_cpu_ranks_point_to_mpi() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+    cmd.args(["launch", "--nproc", "2", "--nnodes", "2", "--", "train"])
+        .args(TINY);
+    let out = output_within(cmd, Duration::from_secs(60));
+    let log = output_text(&out);
+    assert!(!out.status.success(), "it ran:\n{log}");
+    assert!(log.contains("hostfile") && log.contains("srun"), "{log}");
 }
 
 #[test]

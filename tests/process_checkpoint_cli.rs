@@ -1,11 +1,10 @@
-//! Checkpoints with ranks as processes (`bfpp launch --nproc 4 -- train --save/--resume`),
-//! connected over TCP (every build with `flex`) and over MPI (feature `mpi`): every process writes its own rank's files and world rank 0 the
-//! manifest; a resumed multi-process run continues the uninterrupted run exactly; checkpoints
+//! Checkpoints with ranks as MPI processes (`bfpp launch --nproc 4 -- train --save/--resume`,
+//! feature `mpi`): every process writes its own rank's files and world rank 0 the manifest; a resumed multi-process run continues the uninterrupted run exactly; checkpoints
 //! move between multi-process and in-process runs in other layouts; a rank that cannot write
 //! stops every rank, is named with its file, and leaves the previous checkpoint intact.
 //!
 //! The MPI tests need `mpirun` on PATH (see tests/launch_cli.rs).
-#![cfg(feature = "flex")]
+#![cfg(all(feature = "flex", feature = "mpi"))]
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -36,12 +35,12 @@ fn temp_dir(name: &str) -> TempDir {
     scratch_dir("process-ckpt", name)
 }
 
-/// `bfpp [launch --via VIA --nproc 4 --] train --json TINY args`, with its own output
-/// folder; in one process when `via` is `None`.
+/// `bfpp [launch --nproc 4 --] train --json TINY args` (four MPI processes when `via` is
+/// `Some`), with its own output folder; in one process when `via` is `None`.
 fn train(via: Option<&str>, out: &Path, args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
-    if let Some(via) = via {
-        cmd.args(["launch", "--via", via, "--nproc", "4", "--"]);
+    if via.is_some() {
+        cmd.args(["launch", "--nproc", "4", "--"]);
     }
     cmd.args(["train", "--json", "--out-dir"])
         .arg(out)
@@ -207,22 +206,10 @@ fn a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays(via: &st
 }
 
 #[test]
-fn tcp_process_checkpoints_resume_exactly_and_move_between_layouts() {
-    multi_process_checkpoints_resume_exactly_and_move_between_process_layouts("tcp");
-}
-
-#[test]
-fn a_tcp_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
-    a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays("tcp");
-}
-
-#[cfg(feature = "mpi")]
-#[test]
 fn mpi_process_checkpoints_resume_exactly_and_move_between_layouts() {
     multi_process_checkpoints_resume_exactly_and_move_between_process_layouts("mpirun");
 }
 
-#[cfg(feature = "mpi")]
 #[test]
 fn an_mpi_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays() {
     a_rank_that_cannot_write_stops_all_and_the_previous_checkpoint_stays("mpirun");

@@ -1,15 +1,16 @@
-//! Ranks as separate processes, connected over TCP (four processes this test starts itself
-//! with torchrun's variables; every build) and over MPI (`mpirun -np 4`; feature `mpi`): P=2,
-//! V=2, D=2, breadth-first and interleaved, ZeRO 1 and 3, three AdamW steps must give the
-//! losses and final parameters of plain single-device Burn training within 1e-5 and bitwise
-//! those of the in-process run; a failing rank must stop every process with an error naming
-//! it. The rank processes also run the NCCL start-up exchange over their communicator (GPUs
-//! per group, unique id), as `NcclComm::over_host` does.
+//! Ranks as separate MPI processes (`mpirun -np 4`; feature `mpi`, the transport of CPU
+//! processes): P=2, V=2, D=2, breadth-first and interleaved, ZeRO 1 and 3, three AdamW steps
+//! must give the losses and final parameters of plain single-device Burn training within 1e-5
+//! and bitwise those of the in-process run, and every rank's bytes sent must be the
+//! simulator's formulas (as for threads); a failing rank must stop every process with an
+//! error naming it. The rank processes also run the NCCL start-up exchange over their
+//! communicator (GPUs per group, unique id), as `NcclComm::over_host` does.
 //!
-//! The tests start this test binary itself, filtered to the ignored test [`rank_process`],
-//! which reads its case from the environment. The MPI tests need `mpirun` on PATH
+//! The tests start this test binary itself under `mpirun`, filtered to the ignored test
+//! [`rank_process`], which reads its case from the environment. They need `mpirun` on PATH
 //! (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`); without it they fail with
 //! that hint instead of being skipped.
+#![cfg(feature = "mpi")]
 
 mod common;
 
@@ -17,9 +18,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use burn_bfpp::comm::CommBytes;
 use burn_bfpp::comm::{
-    agree_by_all_gather, free_local_port, setup_group, CommConfig, CommOp, Communicator, Group,
-    ProcessComm, RankGrid, ReduceOp, RendezvousEnv, TcpComm, Transport, NCCL_ID_BYTES,
+    agree_by_all_gather, setup_group, CommConfig, CommOp, Communicator, Group, ProcessComm,
+    RankGrid, ReduceOp, Transport, NCCL_ID_BYTES,
 };
 use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
@@ -43,22 +45,26 @@ fn ranks_config(kind: ScheduleKind, zero: ZeroLevel) -> EngineConfig {
     config(kind, 2, 2, 2, zero)
 }
 
-/// One line per case: the losses and every parameter value, as bits.
-fn encode(losses: &[f64], params: &[Vec<f32>]) -> String {
+/// One line per case: the losses and every parameter value as bits, and every rank's bytes
+/// sent in the last step (`data_parallel:pipeline`).
+fn encode(losses: &[f64], params: &[Vec<f32>], bytes: &[CommBytes]) -> String {
     let l: Vec<String> = losses.iter().map(|x| x.to_bits().to_string()).collect();
     let p: Vec<String> = params
         .iter()
         .flatten()
         .map(|x| x.to_bits().to_string())
         .collect();
-    format!("{};{}", l.join(","), p.join(","))
+    let b: Vec<String> = bytes
+        .iter()
+        .map(|b| format!("{}:{}", b.data_parallel, b.pipeline))
+        .collect();
+    format!("{};{};{}", l.join(","), p.join(","), b.join(","))
 }
 
 /// The inner backend the rank processes communicate on.
 type Inner = <B as burn::tensor::backend::AutodiffBackend>::InnerBackend;
 
-/// One rank of a world of processes; only meaningful when started by the tests below (over
-/// TCP when the launcher's `RANK` is set, over MPI otherwise).
+/// One rank of a world of MPI processes; only meaningful when started by the tests below.
 #[test]
 #[ignore = "a rank process of the process_ranks tests, which start it"]
 fn rank_process() {
@@ -78,25 +84,9 @@ fn rank_process() {
     let grid = RankGrid::new(2, 2).expect("grid");
     let timeout = if fault.is_some() { 10 } else { 60 };
     let config = CommConfig::with_timeout(Duration::from_secs(timeout));
-    let tcp = RendezvousEnv::from_env().unwrap_or_else(|e| panic!("{e}"));
-    match tcp {
-        Some(env) => {
-            let comm = TcpComm::<Inner>::connect(&env, grid, Default::default(), config)
-                .unwrap_or_else(|e| panic!("{e}"));
-            run_cases(&comm, fault, &out);
-        }
-        None => {
-            #[cfg(feature = "mpi")]
-            {
-                let comm =
-                    burn_bfpp::comm::MpiComm::<Inner>::init(grid, Default::default(), config)
-                        .unwrap_or_else(|e| panic!("{e}"));
-                run_cases(&comm, fault, &out);
-            }
-            #[cfg(not(feature = "mpi"))]
-            panic!("started without RANK in a build without MPI");
-        }
-    }
+    let comm = burn_bfpp::comm::MpiComm::<Inner>::init(grid, Default::default(), config)
+        .unwrap_or_else(|e| panic!("{e}"));
+    run_cases(&comm, fault, &out);
 }
 
 /// Trains every case on this process's rank; rank 0 writes the results to `out`.
@@ -111,7 +101,8 @@ fn run_cases<T: Transport>(comm: &ProcessComm<Inner, T>, fault: Option<Fault>, o
             train_processes::<B, _, _, _, _>(comm, &base, &cfg, STEPS, activation, batch, |_| {})
                 .unwrap_or_else(|e| panic!("{e}"));
         if let Some(o) = outcome {
-            lines.push(encode(&o.losses, &params(&o.model)));
+            let bytes: Vec<CommBytes> = o.last_step.iter().map(|c| c.comm_bytes).collect();
+            lines.push(encode(&o.losses, &params(&o.model), &bytes));
         }
     }
     nccl_start_up(comm, comm.grid());
@@ -150,16 +141,6 @@ fn nccl_start_up<C: Communicator<Inner>>(comm: &C, grid: RankGrid) {
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
-/// Who starts the rank processes.
-#[derive(Clone, Copy)]
-enum Launcher {
-    /// This test, with torchrun's variables; the ranks connect over TCP.
-    Tcp,
-    /// `mpirun`; the ranks talk over MPI.
-    #[cfg(feature = "mpi")]
-    Mpirun,
-}
-
 /// The arguments that make this test binary run [`rank_process`] only.
 const RANK_PROCESS: [&str; 6] = [
     "--exact",
@@ -170,43 +151,25 @@ const RANK_PROCESS: [&str; 6] = [
     "1",
 ];
 
-/// Runs `np` rank processes of this binary with `env`; returns whether all succeeded, their
-/// output, and how long they ran.
-fn launch(launcher: Launcher, np: usize, env: &[(&str, &str)]) -> (bool, String, Duration) {
+/// Runs `np` rank processes of this binary under `mpirun` with `env`; returns whether all
+/// succeeded, their output, and how long they ran.
+fn launch(np: usize, env: &[(&str, &str)]) -> (bool, String, Duration) {
     let exe = std::env::current_exe().expect("test binary path");
-    let launched = match launcher {
-        Launcher::Tcp => {
-            let port = free_local_port().expect("a free local port");
-            let ranks = (0..np)
-                .map(|rank| {
-                    let mut cmd = Command::new(&exe);
-                    cmd.args(RANK_PROCESS)
-                        .envs(env.iter().copied())
-                        .envs(RendezvousEnv::on_this_machine(rank, np, port).vars());
-                    cmd
-                })
-                .collect();
-            outputs_within(ranks, LAUNCH_DEADLINE)
-        }
-        #[cfg(feature = "mpi")]
-        Launcher::Mpirun => {
-            let mut cmd = Command::new("mpirun");
-            // Unbound, as the in-process run is: the ranks share the cores with each other.
-            cmd.args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                "-np",
-            ])
-            .arg(np.to_string());
-            for (k, v) in env {
-                cmd.env(k, v).arg("-x").arg(k);
-            }
-            cmd.arg(&exe).args(RANK_PROCESS);
-            outputs_within(vec![cmd], LAUNCH_DEADLINE)
-        }
-    };
+    let mut cmd = Command::new("mpirun");
+    // Unbound, as the in-process run is: the ranks share the cores with each other.
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+    ])
+    .arg(np.to_string());
+    for (k, v) in env {
+        cmd.env(k, v).arg("-x").arg(k);
+    }
+    cmd.arg(&exe).args(RANK_PROCESS);
+    let launched = outputs_within(vec![cmd], LAUNCH_DEADLINE);
     (
         launched.outputs.iter().all(|o| o.status.success()),
         launched.outputs.iter().map(output_text).collect(),
@@ -226,8 +189,19 @@ fn read_results(path: &Path) -> Vec<String> {
         .collect()
 }
 
-fn decode(line: &str) -> (Vec<f64>, Vec<f32>) {
+fn decode(line: &str) -> (Vec<f64>, Vec<f32>, Vec<CommBytes>) {
+    let (line, b) = line.rsplit_once(';').expect("losses;params;bytes");
     let (l, p) = line.split_once(';').expect("losses;params");
+    let bytes = b
+        .split(',')
+        .map(|r| {
+            let (dp, pp) = r.split_once(':').expect("dp:pp");
+            CommBytes {
+                data_parallel: dp.parse().expect("a count"),
+                pipeline: pp.parse().expect("a count"),
+            }
+        })
+        .collect();
     let losses = l
         .split(',')
         .map(|x| f64::from_bits(x.parse().expect("bits")))
@@ -236,17 +210,16 @@ fn decode(line: &str) -> (Vec<f64>, Vec<f32>) {
         .split(',')
         .map(|x| f32::from_bits(x.parse().expect("bits")))
         .collect();
-    (losses, params)
+    (losses, params, bytes)
 }
 
-/// Four rank processes started by `launcher` match plain Burn and the in-process run.
-fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Launcher, name: &str) {
+/// Four MPI rank processes match plain Burn and the in-process run, and send the bytes the
+/// simulator's formulas predict.
+#[test]
+fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
+    let name = "mpi";
     let out = out_file(&format!("{name}-equivalence"));
-    let (ok, log, took) = launch(
-        launcher,
-        4,
-        &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))],
-    );
+    let (ok, log, took) = launch(4, &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))]);
     assert!(ok, "{log}\n^ the {name} launch failed");
     let lines = read_results(&out);
     let _ = std::fs::remove_file(&out);
@@ -257,7 +230,12 @@ fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Laun
     let base = model();
     let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     for ((kind, zero), line) in CASES.into_iter().zip(&lines) {
-        let (losses, flat) = decode(line);
+        let (losses, flat, bytes) = decode(line);
+        assert_eq!(
+            bytes,
+            predicted_comm_bytes(&ranks_config(kind, zero)),
+            "{kind} {zero:?}: bytes sent by the MPI ranks"
+        );
         // The plain-Burn reference, parameter by parameter.
         let mut rest = flat.as_slice();
         let got: Vec<Vec<f32>> = want_params
@@ -299,11 +277,12 @@ fn four_processes_match_single_device_burn_and_the_in_process_run(launcher: Laun
     }
 }
 
-/// Rank 1 of four processes started by `launcher` fails; the others stop and name it.
-fn a_failing_process_stops_the_others_with_an_error_naming_it(launcher: Launcher, name: &str) {
+/// Rank 1 of four MPI processes fails; the others stop and name it.
+#[test]
+fn a_failing_mpi_process_stops_the_others_with_an_error_naming_it() {
+    let name = "mpi";
     let out = out_file(&format!("{name}-fault"));
     let (ok, log, took) = launch(
-        launcher,
         4,
         &[
             (OUT_ENV, out.to_str().expect("utf-8 temp path")),
@@ -324,50 +303,15 @@ fn a_failing_process_stops_the_others_with_an_error_naming_it(launcher: Launcher
     assert!(!out.exists(), "rank 0 reported results of a failed run");
 }
 
-/// Three processes started by `launcher` for a world of four are refused with the fix.
-fn a_world_of_the_wrong_size_is_refused_with_the_fix(launcher: Launcher, name: &str) {
+/// Three MPI processes for a world of four are refused with the fix.
+#[test]
+fn an_mpi_world_of_the_wrong_size_is_refused_with_the_fix() {
+    let name = "mpi";
     let out = out_file(&format!("{name}-size"));
-    let (ok, log, _) = launch(
-        launcher,
-        3,
-        &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))],
-    );
+    let (ok, log, _) = launch(3, &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))]);
     assert!(!ok, "3 processes for pp 2 × dp 2 ran over {name}:\n{log}");
     assert!(
         log.contains("started 3 processes but pp 2 × dp 2 needs 4"),
         "no clear error:\n{log}"
     );
-}
-
-#[test]
-fn four_tcp_processes_match_single_device_burn_and_the_in_process_run() {
-    four_processes_match_single_device_burn_and_the_in_process_run(Launcher::Tcp, "tcp");
-}
-
-#[test]
-fn a_failing_tcp_process_stops_the_others_with_an_error_naming_it() {
-    a_failing_process_stops_the_others_with_an_error_naming_it(Launcher::Tcp, "tcp");
-}
-
-#[test]
-fn a_tcp_world_of_the_wrong_size_is_refused_with_the_fix() {
-    a_world_of_the_wrong_size_is_refused_with_the_fix(Launcher::Tcp, "tcp");
-}
-
-#[cfg(feature = "mpi")]
-#[test]
-fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
-    four_processes_match_single_device_burn_and_the_in_process_run(Launcher::Mpirun, "mpi");
-}
-
-#[cfg(feature = "mpi")]
-#[test]
-fn a_failing_mpi_process_stops_the_others_with_an_error_naming_it() {
-    a_failing_process_stops_the_others_with_an_error_naming_it(Launcher::Mpirun, "mpi");
-}
-
-#[cfg(feature = "mpi")]
-#[test]
-fn an_mpi_world_of_the_wrong_size_is_refused_with_the_fix() {
-    a_world_of_the_wrong_size_is_refused_with_the_fix(Launcher::Mpirun, "mpi");
 }

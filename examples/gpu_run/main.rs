@@ -10,9 +10,9 @@
 //! Every pipeline and data-parallel rank is a thread of this process and all of them share the
 //! one device (`--gpus N` spreads them over N GPUs; `--comm nccl` runs the group
 //! collectives on NCCL instead of host memory). Started as one process per rank with
-//! torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`),
-//! each process runs its own rank on GPU `LOCAL_RANK % gpus`, the processes connected over
-//! TCP (`TcpComm`, with `NcclComm` layered on it for `--comm nccl`), and world rank 0
+//! torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`;
+//! `--backend cuda --comm nccl`), each process runs its own rank on GPU `LOCAL_RANK % gpus`,
+//! its data on NCCL (`NcclComm`) over a TCP control channel (`ControlComm`), and world rank 0
 //! reports. On one GPU the run shows the schedule, the sharding and the engine's overheads on
 //! real kernels, not multi-GPU scaling. It reports tokens/s, model TFLOP/s and MFU against
 //! `--peak-tflops` (by default the bf16 peak of the `--hardware` preset, which `auto` picks
@@ -29,8 +29,8 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_bfpp::comm::{
-    CommConfig, CommError, Communicator, LocalComm, ProcessRank, RankGrid, RendezvousEnv, TcpComm,
-    ThreadRank,
+    CommConfig, CommError, Communicator, ControlComm, LocalComm, ProcessRank, RankGrid,
+    RendezvousEnv, ThreadRank,
 };
 use burn_bfpp::data::{BatchConfig, BatchLayout, Batcher, MarkovConfig, MarkovCorpus};
 use burn_bfpp::engine::{
@@ -208,10 +208,6 @@ fn start(mut args: Args) -> Result<(), Error> {
                 LocalComm::create_with_devices,
             )
         }
-        (BackendChoice::Flex, _, Some(env)) => processes::<
-            burn::backend::Autodiff<burn::backend::Flex>,
-            _,
-        >(&args, &env, |_| Default::default(), Ok),
         #[cfg(feature = "wgpu")]
         (BackendChoice::Wgpu, _, None) => {
             threads::<burn::backend::Autodiff<burn::backend::Wgpu>, _>(
@@ -237,15 +233,6 @@ fn start(mut args: Args) -> Result<(), Error> {
             )
         }
         #[cfg(feature = "cuda")]
-        (BackendChoice::Cuda, CommChoice::Local, Some(env)) => {
-            processes::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
-                &args,
-                &env,
-                burn::backend::cuda::CudaDevice::new,
-                Ok,
-            )
-        }
-        #[cfg(feature = "cuda")]
         (BackendChoice::Cuda, CommChoice::Nccl, Some(env)) => {
             processes::<burn::backend::Autodiff<burn::backend::Cuda>, _>(
                 &args,
@@ -254,14 +241,17 @@ fn start(mut args: Args) -> Result<(), Error> {
                 burn_bfpp::comm::NcclComm::over_host,
             )
         }
-        #[cfg(feature = "wgpu")]
-        (BackendChoice::Wgpu, _, Some(env)) => {
-            processes::<burn::backend::Autodiff<burn::backend::Wgpu>, _>(
-                &args,
-                &env,
-                |_| burn::backend::wgpu::WgpuDevice::default(),
-                Ok,
+        (backend, comm, Some(env))
+            if !matches!((backend, comm), (BackendChoice::Cuda, CommChoice::Nccl)) =>
+        {
+            Err(format!(
+                "this is rank {} of {} processes, but ranks that are processes are GPU ranks \
+                 with NCCL (--backend cuda --comm nccl; their data moves over NCCL, a TCP \
+                 control channel carries the rest); run the {backend:?} ranks as threads of \
+                 one process (without the launcher's RANK/WORLD_SIZE)",
+                env.rank, env.world_size
             )
+            .into())
         }
         #[allow(unreachable_patterns)]
         (other, _, _) => Err(format!(
@@ -308,12 +298,14 @@ where
 }
 
 /// This process is world rank `env.rank`, on `device_of(env.local_rank % args.gpus)`,
-/// connected to the other processes over TCP, with `layer` putting its communicator on top.
+/// joined to the other processes by the TCP control channel, with `layer` putting its data
+/// communicator (NCCL) on top.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn processes<B, C>(
     args: &Args,
     env: &RendezvousEnv,
     device_of: impl Fn(usize) -> B::Device,
-    layer: impl FnOnce(TcpComm<B::InnerBackend>) -> Result<C, CommError>,
+    layer: impl FnOnce(ControlComm<B::InnerBackend>) -> Result<C, CommError>,
 ) -> Result<(), Error>
 where
     B: AutodiffBackend + cubecl_kernels::FusedOps,
@@ -331,7 +323,7 @@ where
         |model, cfg, activation, batch, on_step| {
             let grid = RankGrid::new(cfg.pp, cfg.dp)?;
             let config = cfg.comm_config();
-            let comm = layer(TcpComm::connect(env, grid, device, config)?)?;
+            let comm = layer(ControlComm::connect(env, grid, device, config)?)?;
             train_processes::<B, _, _, _, _>(
                 &comm, model, cfg, args.steps, activation, batch, on_step,
             )

@@ -1,17 +1,20 @@
-//! `bfpp launch --nproc N -- train …`: starts N local processes of this binary, one rank each.
+//! `bfpp launch --nproc N -- train …`: starts N processes of this binary, one rank each, with
+//! the transport that fits the ranks:
 //!
-//! Two ways to start and wire them (`--via`):
-//! * `tcp` (the default without the `mpi` feature): this launcher starts the processes itself
-//!   with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`,
-//!   `MASTER_PORT` = a free port), and they connect to each other over TCP. No MPI needed.
-//!   When a rank exits with an error the others stop on their own (they are told, or see its
+//! * **CPU ranks** run under OpenMPI's `mpirun`, which starts and wires them (their data moves
+//!   over MPI; the build needs `--features mpi`). As root `mpirun` needs
+//!   `--allow-run-as-root`, and more ranks than cores need `--oversubscribe`, both added;
+//!   `--bind-to none` keeps OpenMPI from pinning each rank to one core (its default for two
+//!   ranks or fewer), which would starve a CPU rank's compute threads. `mpirun` stops the
+//!   other ranks when one exits non-zero. Several machines: a hostfile, or Slurm's `srun`
+//!   (docs/multi-node.md).
+//! * **GPU ranks** (`train --backend cuda`) are one process per GPU (local rank → GPU),
+//!   started here with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//!   `MASTER_ADDR`, `MASTER_PORT`, and `BFPP_STORE_PORT` for the rendezvous store); their
+//!   data moves over NCCL and a small TCP control channel carries start-up and failures.
+//!   `--nnodes`, `--node-rank` and `--master-*` run one launcher per machine. When a rank
+//!   exits with an error the others stop on their own (they are told, or see its control
 //!   connection end); any still running after a grace period are killed.
-//! * `mpirun` (the default in builds with the `mpi` feature): OpenMPI's `mpirun` starts and
-//!   wires them; as root it needs `--allow-run-as-root`, and more ranks than cores need
-//!   `--oversubscribe`, both of which are added, and `--bind-to none` keeps OpenMPI from pinning
-//!   each rank to one core (its default for two ranks or fewer), which would starve a CPU rank's
-//!   compute threads; the `tcp` ranks are not pinned either. `mpirun` stops the other ranks when
-//!   one exits non-zero.
 //!
 //! Either way the exit status is the first failure, and each rank's own error names the rank
 //! that failed first.
@@ -21,62 +24,63 @@ use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use burn_bfpp::comm::{free_local_port, RendezvousEnv};
-use clap::{Args, ValueEnum};
+use clap::Args;
 
 /// How long ranks still running after the first failure get to stop on their own.
 const GRACE: Duration = Duration::from_secs(30);
 
-/// `--via`: who starts and wires the processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Via {
-    /// This launcher, with torchrun's variables; the ranks connect over TCP.
-    Tcp,
-    /// OpenMPI's `mpirun`; the ranks talk over MPI (needs a build with `--features mpi`).
-    Mpirun,
-}
-
-impl Default for Via {
-    fn default() -> Self {
-        if cfg!(feature = "mpi") {
-            Via::Mpirun
-        } else {
-            Via::Tcp
-        }
-    }
-}
-
 /// `bfpp launch [FLAGS] -- COMMAND…`.
 #[derive(Debug, Clone, Args)]
 pub struct LaunchArgs {
-    /// Number of processes (must equal pp × dp of the command's layout).
+    /// Number of processes on this machine (the world is nnodes × nproc ranks, pp × dp).
     #[arg(long, default_value_t = 1)]
     pub nproc: usize,
-    /// Who starts the processes: this launcher over TCP, or mpirun; default: mpirun in
-    /// builds with the `mpi` feature, tcp otherwise.
-    #[arg(long, value_enum)]
-    pub via: Option<Via>,
-    /// The launcher to use with `--via mpirun`; default: `mpirun` from PATH.
+    /// CPU ranks: the MPI launcher to use; default: `mpirun` from PATH.
     #[arg(long, value_name = "PATH")]
     pub mpirun: Option<PathBuf>,
-    /// `--via tcp`: machines of the job, each running one `bfpp launch` with the same flags
-    /// but its own `--node-rank`; the world is nnodes × nproc ranks.
+    /// GPU ranks: machines of the job, each running one `bfpp launch` with the same flags but
+    /// its own `--node-rank`; the world is nnodes × nproc ranks.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub nnodes: usize,
-    /// `--via tcp`: this machine's index among the `--nnodes` (its ranks are
+    /// GPU ranks: this machine's index among the `--nnodes` (its ranks are
     /// node-rank × nproc + 0..nproc).
     #[arg(long, default_value_t = 0, value_name = "R")]
     pub node_rank: usize,
-    /// `--via tcp`: the address of node 0, where world rank 0 serves the rendezvous store;
+    /// GPU ranks: the address of node 0, where world rank 0 serves the rendezvous store;
     /// default 127.0.0.1 (required with --nnodes above 1).
     #[arg(long, value_name = "HOST")]
     pub master_addr: Option<String>,
-    /// `--via tcp`: the store's port on node 0; default: a free port (required with
-    /// --nnodes above 1).
+    /// GPU ranks: torchrun's MASTER_PORT on node 0; the store listens one port above it
+    /// (BFPP_STORE_PORT overrides); default: free ports (required with --nnodes above 1).
     #[arg(long, value_name = "PORT")]
     pub master_port: Option<u16>,
     /// The bfpp command every process runs, e.g. `train --pp 2 --dp 2`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// How the ranks of a launch are started, from the command they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ranks {
+    /// CPU ranks: MPI processes under `mpirun`.
+    Mpi,
+    /// GPU ranks: one process per GPU started here, with NCCL and a TCP control channel.
+    Gpu,
+}
+
+impl Ranks {
+    /// The ranks `command` runs: GPU ranks for `--backend cuda`, CPU ranks otherwise.
+    pub fn of(command: &[String]) -> Self {
+        let cuda = command
+            .windows(2)
+            .any(|w| w[0] == "--backend" && w[1] == "cuda")
+            || command.iter().any(|a| a == "--backend=cuda");
+        if cuda {
+            Ranks::Gpu
+        } else {
+            Ranks::Mpi
+        }
+    }
 }
 
 /// Why `bfpp launch` failed.
@@ -90,10 +94,20 @@ pub enum LaunchError {
     Flags(String),
     /// No launcher on PATH.
     #[error(
-        "`mpirun` was not found on PATH; install OpenMPI (Debian/Ubuntu: `apt-get install \
-         openmpi-bin libopenmpi-dev`) or name it with --mpirun"
+        "CPU ranks as processes run under MPI, and `mpirun` was not found on PATH; install \
+         OpenMPI (Debian/Ubuntu: `apt-get install openmpi-bin libopenmpi-dev`) or name it \
+         with --mpirun, or run the ranks as threads of one process: the same command \
+         without `bfpp launch` (`bfpp train …`)"
     )]
     NoMpirun,
+    /// CPU ranks asked for in a build without MPI.
+    #[error(
+        "CPU ranks as processes run under MPI, and this bfpp was built without it; rebuild \
+         with `cargo build --release --features mpi` (needs OpenMPI and libclang: \
+         `apt-get install openmpi-bin libopenmpi-dev libclang-dev`), or run the ranks as \
+         threads of one process: the same command without `bfpp launch` (`bfpp train …`)"
+    )]
+    NoMpiBuild,
     /// This binary's own path is unknown.
     #[error("cannot find the bfpp executable to launch: {0}")]
     SelfPath(std::io::Error),
@@ -162,14 +176,18 @@ pub fn run(args: &LaunchArgs) -> Result<(), LaunchError> {
         return Err(LaunchError::NoProcesses);
     }
     let exe = std::env::current_exe().map_err(LaunchError::SelfPath)?;
-    let failure = match args.via.unwrap_or_default() {
-        Via::Mpirun => {
+    let failure = match Ranks::of(&args.command) {
+        Ranks::Mpi => {
             if args.nnodes != 1 || args.master_addr.is_some() || args.master_port.is_some() {
                 return Err(LaunchError::Flags(
-                    "--nnodes, --node-rank, --master-addr and --master-port are for --via tcp; \
-                     with mpirun, name the machines in a hostfile (see docs/multi-node.md)"
+                    "--nnodes, --node-rank, --master-addr and --master-port are for GPU ranks \
+                     (`train --backend cuda`); CPU ranks on several machines run under one \
+                     mpirun with a hostfile, or under srun (see docs/multi-node.md)"
                         .into(),
                 ));
+            }
+            if !cfg!(feature = "mpi") {
+                return Err(LaunchError::NoMpiBuild);
             }
             let launcher = match &args.mpirun {
                 Some(p) => p.clone(),
@@ -180,7 +198,7 @@ pub fn run(args: &LaunchArgs) -> Result<(), LaunchError> {
                 .map_err(|source| LaunchError::Spawn { launcher, source })?;
             (!status.success()).then(|| status.to_string())
         }
-        Via::Tcp => run_over_tcp(&exe, args)?,
+        Ranks::Gpu => run_per_gpu(&exe, args)?,
     };
     match failure {
         None => Ok(()),
@@ -191,9 +209,9 @@ pub fn run(args: &LaunchArgs) -> Result<(), LaunchError> {
     }
 }
 
-/// Where the ranks of this machine find the job's store: `(address, port)`; checks the
-/// multi-node flags.
-fn store_of(args: &LaunchArgs) -> Result<(String, u16), LaunchError> {
+/// Where the ranks of this machine find the job's store: `(address, MASTER_PORT, store
+/// port)`; checks the multi-node flags.
+fn store_of(args: &LaunchArgs) -> Result<(String, u16, u16), LaunchError> {
     let flags = |m: String| Err(LaunchError::Flags(m));
     if args.nnodes == 0 || args.node_rank >= args.nnodes {
         return flags(format!(
@@ -203,33 +221,50 @@ fn store_of(args: &LaunchArgs) -> Result<(String, u16), LaunchError> {
             args.nnodes.max(1)
         ));
     }
+    let above = |port: u16| {
+        port.checked_add(1).ok_or_else(|| {
+            LaunchError::Flags(format!(
+                "--master-port {port} leaves no port above it for the store"
+            ))
+        })
+    };
     match (&args.master_addr, args.master_port) {
-        (Some(addr), Some(port)) => Ok((addr.clone(), port)),
+        (Some(addr), Some(port)) => Ok((addr.clone(), port, above(port)?)),
         _ if args.nnodes > 1 => flags(format!(
             "--nnodes {} needs --master-addr and --master-port: the address of node 0 and a \
              free port there, the same on every machine",
             args.nnodes
         )),
         (addr, port) => {
-            let port = match port {
-                Some(p) => p,
-                // A port the system just handed out is free; rank 0 binds it again at once.
-                None => free_local_port().map_err(LaunchError::NoPort)?,
+            let (master, store) = match port {
+                Some(p) => (p, above(p)?),
+                // Ports the system just handed out are free; rank 0 binds the store's again
+                // at once (nothing binds MASTER_PORT: it is torchrun's, where there is one).
+                None => (
+                    free_local_port().map_err(LaunchError::NoPort)?,
+                    free_local_port().map_err(LaunchError::NoPort)?,
+                ),
             };
             let addr = addr.clone().unwrap_or_else(|| "127.0.0.1".into());
-            Ok((addr, port))
+            Ok((addr, master, store))
         }
     }
 }
 
 /// The command of local rank `local` of this machine, whose job's store is `store`.
-pub fn rank_command(exe: &Path, args: &LaunchArgs, local: usize, store: &(String, u16)) -> Command {
+pub fn rank_command(
+    exe: &Path,
+    args: &LaunchArgs,
+    local: usize,
+    store: &(String, u16, u16),
+) -> Command {
     let place = RendezvousEnv {
         rank: args.node_rank * args.nproc + local,
         world_size: args.nnodes * args.nproc,
         local_rank: local,
         master_addr: store.0.clone(),
         master_port: store.1,
+        store_port: store.2,
     };
     let mut cmd = Command::new(exe);
     cmd.args(&args.command)
@@ -238,9 +273,9 @@ pub fn rank_command(exe: &Path, args: &LaunchArgs, local: usize, store: &(String
     cmd
 }
 
-/// Starts the ranks with torchrun's variables and waits for them; returns the first failure
-/// (`rank R: STATUS`), if any.
-fn run_over_tcp(exe: &Path, args: &LaunchArgs) -> Result<Option<String>, LaunchError> {
+/// Starts this machine's GPU ranks with torchrun's variables and waits for them; returns the
+/// first failure (`rank R: STATUS`), if any.
+fn run_per_gpu(exe: &Path, args: &LaunchArgs) -> Result<Option<String>, LaunchError> {
     let store = store_of(args)?;
     let mut children: Vec<Option<Child>> = Vec::with_capacity(args.nproc);
     for local in 0..args.nproc {
@@ -306,19 +341,23 @@ fn kill_all(children: &mut [Option<Child>]) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_command_runs_this_binary_n_times_with_the_arguments() {
-        let args = LaunchArgs {
+    fn args(command: &[&str]) -> LaunchArgs {
+        LaunchArgs {
             nproc: 4,
-            via: None,
             mpirun: None,
             nnodes: 1,
             node_rank: 0,
             master_addr: None,
             master_port: None,
-            command: vec!["train".into(), "--pp".into(), "2".into()],
-        };
-        let cmd = mpirun_command(Path::new("/usr/bin/mpirun"), Path::new("/x/bfpp"), &args);
+            command: command.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn cpu_ranks_run_this_binary_n_times_under_mpirun() {
+        let cpu = args(&["train", "--pp", "2"]);
+        assert_eq!(Ranks::of(&cpu.command), Ranks::Mpi);
+        let cmd = mpirun_command(Path::new("/usr/bin/mpirun"), Path::new("/x/bfpp"), &cpu);
         let argv: Vec<String> = cmd
             .get_args()
             .map(|a| a.to_string_lossy().into_owned())
@@ -338,28 +377,32 @@ mod tests {
                 "2"
             ]
         );
-        assert!(run(&LaunchArgs { nproc: 0, ..args }).is_err());
+        assert!(run(&LaunchArgs { nproc: 0, ..cpu }).is_err());
     }
 
     #[test]
-    fn tcp_ranks_get_torchruns_variables() {
-        let args = LaunchArgs {
+    fn gpu_ranks_get_torchruns_variables_and_a_store_port_of_their_own() {
+        for command in [
+            &["train", "--backend", "cuda", "--dp", "6"][..],
+            &["train", "--backend=cuda", "--dp", "6"][..],
+        ] {
+            assert_eq!(Ranks::of(&args(command).command), Ranks::Gpu);
+        }
+        let gpu = LaunchArgs {
             nproc: 3,
-            via: Some(Via::Tcp),
-            mpirun: None,
             nnodes: 2,
             node_rank: 1,
             master_addr: Some("node0".into()),
             master_port: Some(29_512),
-            command: vec!["train".into(), "--dp".into(), "6".into()],
+            ..args(&["train", "--backend", "cuda", "--dp", "6"])
         };
-        let store = store_of(&args).expect("valid flags");
-        let cmd = rank_command(Path::new("/x/bfpp"), &args, 2, &store);
+        let store = store_of(&gpu).expect("valid flags");
+        let cmd = rank_command(Path::new("/x/bfpp"), &gpu, 2, &store);
         let argv: Vec<String> = cmd
             .get_args()
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
-        assert_eq!(argv, ["train", "--dp", "6"]);
+        assert_eq!(argv, ["train", "--backend", "cuda", "--dp", "6"]);
         let env: std::collections::HashMap<String, String> = cmd
             .get_envs()
             .filter_map(|(k, v)| Some((k.to_str()?.to_owned(), v?.to_str()?.to_owned())))
@@ -370,9 +413,10 @@ mod tests {
             .expect("a launch");
         // Machine 1's local rank 2 is world rank 1 × 3 + 2 of 6.
         assert_eq!((read.rank, read.world_size, read.local_rank), (5, 6, 2));
+        // The store keeps off MASTER_PORT (torchrun's, under torchrun).
         assert_eq!(
-            (read.master_addr.as_str(), read.master_port),
-            ("node0", 29_512)
+            (read.master_addr.as_str(), read.master_port, read.store_port),
+            ("node0", 29_512, 29_513)
         );
     }
 
@@ -380,16 +424,11 @@ mod tests {
     fn multi_node_flags_are_checked() {
         let one = LaunchArgs {
             nproc: 2,
-            via: Some(Via::Tcp),
-            mpirun: None,
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: None,
-            master_port: None,
-            command: vec!["train".into()],
+            ..args(&["train", "--backend", "cuda"])
         };
-        let (addr, _) = store_of(&one).expect("one machine needs nothing");
+        let (addr, master, store) = store_of(&one).expect("one machine needs nothing");
         assert_eq!(addr, "127.0.0.1");
+        assert_ne!(master, store, "the store does not listen on MASTER_PORT");
         let two = LaunchArgs {
             nnodes: 2,
             ..one.clone()
@@ -404,12 +443,13 @@ mod tests {
         };
         let err = store_of(&beyond).expect_err("node 2 of 2").to_string();
         assert!(err.contains("not below --nnodes 2"), "{err}");
-        let mpirun = LaunchArgs {
-            via: Some(Via::Mpirun),
+        let cpu = LaunchArgs {
             nnodes: 2,
-            ..one
+            ..args(&["train"])
         };
-        let err = run(&mpirun).expect_err("tcp flags with mpirun").to_string();
+        let err = run(&cpu)
+            .expect_err("multi-node flags with MPI")
+            .to_string();
         assert!(err.contains("hostfile"), "{err}");
     }
 }

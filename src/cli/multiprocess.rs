@@ -1,20 +1,19 @@
-//! How `bfpp train` runs its ranks: as threads of this process, or as one process each.
+//! How `bfpp train` runs its ranks: as threads of this process, or as one MPI process each.
 //!
 //! Under `mpirun`/`srun` (detected from the launcher's environment, or asked for with
-//! `--comm mpi`) every process runs one rank over MPI; under torchrun, `bfpp launch` or any
-//! launcher that sets `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT` (or Slurm's
-//! `SLURM_PROCID`/`SLURM_NTASKS`), or with `--comm tcp`, over TCP connections between the
-//! processes. Either way each process trains with [`train_processes_with`]; world rank 0
-//! prints the header and the summary, and the rank that knows the loss draws the progress
-//! bar. Without the `mpi` feature a request for MPI ranks fails with the rebuild command.
+//! `--comm mpi`) every process runs one rank over MPI and trains with
+//! [`train_processes_with`]; world rank 0 prints the header and the summary, and the rank
+//! that knows the loss draws the progress bar. Without the `mpi` feature a request for MPI
+//! ranks fails with the rebuild command. A torchrun-style launch (`RANK`, `WORLD_SIZE`, …)
+//! is for GPU ranks, one process per GPU over NCCL; CPU ranks started that way are refused
+//! with the command that starts them under MPI.
 
 use burn::backend::Flex;
-use burn_bfpp::comm::{
-    CommConfig, Communicator, ProcessComm, RankGrid, RendezvousEnv, TcpComm, Transport,
-};
+use burn_bfpp::comm::{CommConfig, Communicator, ProcessComm, RankGrid, RendezvousEnv, Transport};
+#[cfg(feature = "mpi")]
+use burn_bfpp::engine::train_processes_with;
 use burn_bfpp::engine::{
-    train_local_with, train_processes_with, Checkpointing, EngineConfig, EngineError, StepReport,
-    TrainOutcome,
+    train_local_with, Checkpointing, EngineConfig, EngineError, StepReport, TrainOutcome,
 };
 use burn_bfpp::model::{Gpt, MicroBatch};
 use clap::ValueEnum;
@@ -24,17 +23,13 @@ use super::train::{Backend, TrainError};
 /// `--comm`: where the ranks of `bfpp train` live.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 pub enum CommMode {
-    /// MPI processes when started by `mpirun`/`srun`, TCP-connected processes when started by
-    /// torchrun or `bfpp launch` (RANK/WORLD_SIZE set), threads of this process otherwise.
+    /// MPI processes when started by `mpirun`/`srun`, threads of this process otherwise.
     #[default]
     Auto,
     /// Threads of this process.
     Local,
     /// One MPI process per rank (needs a build with `--features mpi` and `mpirun -np pp×dp`).
     Mpi,
-    /// One process per rank, connected over TCP; the launcher sets RANK, WORLD_SIZE,
-    /// MASTER_ADDR and MASTER_PORT (torchrun, `bfpp launch --via tcp`, or by hand).
-    Tcp,
 }
 
 /// The ranks of this run, as seen from this process.
@@ -45,45 +40,37 @@ pub enum Ranks {
     /// `Local` variant empty).
     #[cfg(feature = "mpi")]
     Mpi(Box<burn_bfpp::comm::MpiComm<Flex>>),
-    /// This process is one rank of a world of processes connected over TCP.
-    Tcp(Box<TcpComm<Flex>>),
 }
 
 impl Ranks {
     /// Decides (and for processes, joins) the world of this run; the world size must be
     /// pp × dp.
     pub fn join(mode: CommMode, engine: &EngineConfig) -> Result<Self, TrainError> {
-        let rendezvous = || {
-            RendezvousEnv::from_env().map_err(|e| {
-                TrainError::Config(format!("{e}; unset the variable or set it correctly"))
-            })
-        };
+        let grid = RankGrid::new(engine.pp, engine.dp).map_err(EngineError::from)?;
         let mode = match mode {
             CommMode::Auto if mpi_launch_env().is_some_and(|(_, size)| size > 1) => CommMode::Mpi,
-            CommMode::Auto if rendezvous()?.is_some_and(|env| env.world_size > 1) => CommMode::Tcp,
-            CommMode::Auto => CommMode::Local,
+            CommMode::Auto => {
+                let torchrun = RendezvousEnv::from_env().ok().flatten();
+                if let Some(env) = torchrun.filter(|env| env.world_size > 1) {
+                    return Err(TrainError::Config(format!(
+                        "this process is rank {} of {} started with torchrun's variables \
+                         (RANK, WORLD_SIZE), which start GPU ranks (one process per GPU, over \
+                         NCCL); CPU ranks as processes run under MPI: `bfpp launch --nproc {} \
+                         -- train …` (mpirun), or as threads of one process: `bfpp train …` \
+                         alone",
+                        env.rank,
+                        env.world_size,
+                        grid.world_size()
+                    )));
+                }
+                CommMode::Local
+            }
             chosen => chosen,
         };
-        if mode == CommMode::Local {
-            return Ok(Ranks::Local);
+        match mode {
+            CommMode::Mpi => Self::join_mpi(grid, engine.comm_config()),
+            _ => Ok(Ranks::Local),
         }
-        let grid = RankGrid::new(engine.pp, engine.dp).map_err(EngineError::from)?;
-        let config = engine.comm_config();
-        if mode == CommMode::Mpi {
-            return Self::join_mpi(grid, config);
-        }
-        let env = rendezvous()?.ok_or_else(|| {
-            TrainError::Config(format!(
-                "--comm tcp needs the launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT \
-                 (or SLURM_PROCID and SLURM_NTASKS); start the {} processes with \
-                 `bfpp launch --nproc {} -- train …` or torchrun, or run with --comm local",
-                grid.world_size(),
-                grid.world_size()
-            ))
-        })?;
-        let comm =
-            TcpComm::connect(&env, grid, Default::default(), config).map_err(EngineError::from)?;
-        Ok(Ranks::Tcp(Box::new(comm)))
     }
 
     #[cfg(feature = "mpi")]
@@ -98,8 +85,7 @@ impl Ranks {
         Err(TrainError::Config(format!(
             "MPI ranks were asked for (pp {} × dp {} processes) but this bfpp was built \
              without MPI; rebuild with `cargo build --release --features mpi` (needs OpenMPI \
-             and libclang), start the processes with `bfpp launch --via tcp` instead, or run \
-             with --comm local",
+             and libclang), or run the ranks as threads with --comm local",
             grid.pp(),
             grid.dp()
         )))
@@ -111,18 +97,17 @@ impl Ranks {
             Ranks::Local => true,
             #[cfg(feature = "mpi")]
             Ranks::Mpi(comm) => comm.rank() == 0,
-            Ranks::Tcp(comm) => comm.rank() == 0,
         }
     }
 
     /// Whether this process learns the loss of every step (it holds the last stage of
     /// replica 0), so its progress bar moves.
+    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
     pub fn reports_loss(&self, engine: &EngineConfig) -> Result<bool, TrainError> {
         match self {
             Ranks::Local => Ok(true),
             #[cfg(feature = "mpi")]
             Ranks::Mpi(comm) => holds_the_loss(comm.as_ref(), engine),
-            Ranks::Tcp(comm) => holds_the_loss(comm.as_ref(), engine),
         }
     }
 
@@ -165,21 +150,12 @@ impl Ranks {
                 on_step,
                 checkpointing,
             ),
-            Ranks::Tcp(comm) => train_processes_with::<Backend, _, _, _, _>(
-                comm.as_ref(),
-                model,
-                engine,
-                steps,
-                activation,
-                batch,
-                on_step,
-                checkpointing,
-            ),
         }
     }
 }
 
 /// Whether `comm`'s rank holds the last stage of replica 0.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 fn holds_the_loss<T: Transport>(
     comm: &ProcessComm<Flex, T>,
     engine: &EngineConfig,

@@ -26,7 +26,7 @@ use super::write_output;
 pub type Backend = Autodiff<Flex>;
 
 /// The environment variable that injects a fault:
-/// `rank=R,step=S[,kind=error|panic|nan|sleep][,secs=T]` (`secs` goes with `kind=sleep`).
+/// `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` (`secs` goes with `kind=sleep`).
 pub const FAULT_ENV: &str = "BFPP_FAULT_INJECT";
 
 /// Everything `bfpp train` can fail with. Each message says what to change.
@@ -82,10 +82,11 @@ pub enum TrainError {
     },
 }
 
-/// Parses `rank=R,step=S[,kind=error|panic|nan|sleep][,secs=T]` (the step is 1-based, like
+/// Parses `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` (the step is 1-based, like
 /// the engine's; `kind` defaults to `error`; `sleep` needs `secs`, the others refuse it).
 pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
-    const FORMAT: &str = "expected `rank=R,step=S[,kind=error|panic|nan|sleep][,secs=T]` with \
+    const FORMAT: &str =
+        "expected `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` with \
                           S >= 1 (secs only with kind=sleep), e.g. `rank=1,step=2,kind=panic` \
                           or `rank=1,step=2,kind=sleep,secs=5`";
     let bad = |why: String| TrainError::Fault(format!("{why}; {FORMAT}"));
@@ -105,7 +106,7 @@ pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
             "step" => step = Some(number()?),
             "kind" => {
                 kind = match value {
-                    "error" | "panic" | "nan" | "sleep" => value,
+                    "error" | "panic" | "nan" | "sleep" | "abort" => value,
                     other => return Err(bad(format!("unknown kind `{other}`"))),
                 }
             }
@@ -122,6 +123,7 @@ pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
         (other, Some(_)) => return Err(bad(format!("secs goes with kind=sleep, not {other}"))),
         ("panic", None) => FaultKind::Panic,
         ("nan", None) => FaultKind::NonFinite,
+        ("abort", None) => FaultKind::Abort,
         _ => FaultKind::Error,
     };
     match (rank, step) {

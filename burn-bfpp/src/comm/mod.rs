@@ -34,10 +34,14 @@
 //! [`LocalComm`] implements the trait for ranks that are threads of one process, each with its
 //! own Burn device; [`run_ranks`] runs one closure per rank on such a world and turns failures
 //! and panics into one error naming the rank that caused them. [`ProcessComm`] implements it
-//! for ranks that are processes, with the same semantics and bitwise the same results, over
-//! MPI (`MpiComm`, feature `mpi`, for `mpirun`/`srun`) or over TCP connections between the
-//! processes ([`TcpComm`], for torchrun-style launchers and `bfpp launch`).
+//! for ranks that are CPU processes, with the same semantics and bitwise the same results,
+//! over MPI (`MpiComm`, feature `mpi`, for `mpirun`/`srun`). Ranks that are GPU processes
+//! (one per GPU, started by torchrun, Slurm or `bfpp launch`) move their data with `NcclComm`
+//! (feature `cuda`) over a small TCP control channel ([`ControlComm`]) for start-up, barriers
+//! and failures. One data transport per kind of rank: memory for threads, MPI for CPU
+//! processes, NCCL for GPU processes.
 
+mod control;
 #[cfg(feature = "cuda")]
 mod cuda_peer;
 mod error;
@@ -56,7 +60,6 @@ mod nccl_host;
 pub mod pending;
 mod process;
 mod store;
-mod tcp;
 mod threads;
 #[cfg(any(feature = "cuda", test))]
 mod watchdog;
@@ -65,13 +68,13 @@ mod wire;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_control;
+#[cfg(test)]
 mod tests_failure;
 #[cfg(test)]
 mod tests_nccl_checks;
 #[cfg(test)]
 mod tests_pending;
-#[cfg(test)]
-mod tests_tcp;
 
 use std::fmt;
 use std::time::Duration;
@@ -82,6 +85,7 @@ use burn::tensor::{DType, Tensor};
 #[cfg(feature = "mpi")]
 pub use self::mpi::{mpi_launch_env, MpiComm, MpiTransport};
 pub use crate::sim::CommBytes;
+pub use control::{ControlComm, ControlTransport, ADVERTISE_ENV, MAX_CONTROL_TENSOR_BYTES};
 pub use error::{CommError, RankError};
 pub use local::LocalComm;
 #[cfg(feature = "cuda")]
@@ -91,8 +95,7 @@ pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
 pub use pending::{Collective, Pending};
 pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
-pub use store::{free_local_port, RendezvousEnv, StoreError, TcpStore};
-pub use tcp::{TcpComm, TcpTransport, ADVERTISE_ENV};
+pub use store::{free_local_port, RendezvousEnv, StoreError, TcpStore, STORE_PORT_ENV};
 pub use threads::{run_ranks, ThreadRank, World};
 
 /// Which of a rank's two groups a collective runs over.

@@ -63,7 +63,7 @@ use super::nccl_group::{Launched, NcclFailure, NcclMember};
 use super::nccl_host::NcclHost;
 use super::pending::{Ticket, Unfinished};
 use super::threads::{ThreadRank, World};
-use super::watchdog::await_call;
+use super::watchdog::{await_call, watch};
 use super::{
     ByteCounter, Collective, CommBytes, CommError, CommOp, Communicator, Group, LocalComm, Pending,
     ProcessRank, RankGrid, ReduceOp,
@@ -101,6 +101,8 @@ pub struct NcclComm<
     sent: ByteCounter,
     /// `BFPP_DEBUG_COLLECTIVES=1`: check every NCCL call's agreement over the host first.
     debug_calls: bool,
+    /// The world's timeout, for the sends still in flight when the communicator goes.
+    timeout: std::time::Duration,
     _elements: PhantomData<CudaBackend<F, I, BT>>,
 }
 
@@ -320,9 +322,13 @@ where
 /// aborted first, which ends the calls.
 impl<F: FloatElement, I: IntElement, BT: BoolElement, H> Drop for NcclComm<F, I, BT, H> {
     fn drop(&mut self) {
-        if self.sends.get_mut().iter().any(|call| !call.finished()) {
-            if let Some(pp) = self.pp.as_mut() {
-                pp.get_mut().abort_unfinished();
+        // Sends still in flight (the last results on their way to rank 0) are waited for, as
+        // a host communicator flushes its sends; one that does not finish within the world's
+        // timeout has its communicator aborted by the watchdog before its buffers go.
+        let timeout = self.timeout;
+        if let (Some(newest), Some(pp)) = (self.sends.get_mut().last(), self.pp.as_mut()) {
+            if let Ok(mut call) = pp.get_mut().watched(newest) {
+                let _ = watch(&mut call, timeout);
             }
         }
         let launched = self.launched.get_mut();

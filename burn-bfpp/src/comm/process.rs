@@ -1,7 +1,7 @@
 //! [`ProcessComm`]: one rank per process, exchanging messages over a [`Transport`]: MPI
-//! (`MpiComm`, feature `mpi`, for `mpirun`/`srun`) or TCP connections
-//! between the processes ([`TcpComm`](super::TcpComm), for torchrun-style launchers and
-//! `bfpp launch`).
+//! (`MpiComm`, feature `mpi`, for `mpirun`/`srun`: CPU processes), or the TCP control
+//! channel of GPU processes ([`ControlComm`](super::ControlComm), under `NcclComm`, which
+//! moves their data).
 //!
 //! The semantics are exactly those of [`LocalComm`](super::LocalComm), and so are the results:
 //! tensors travel as host values (see [`wire`](super::wire)), collectives are one exchange
@@ -86,6 +86,11 @@ pub trait Transport {
     fn sends_in_flight(&mut self) -> bool;
     /// Gives up on the messages still in flight (their peers stopped taking them).
     fn abandon(&mut self);
+    /// The largest tensor payload this transport may carry, if it is limited (a control
+    /// channel carries no bulk data); a larger one is refused with an error.
+    fn max_tensor_bytes(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Mutable state: the calls take `&self` like every [`Communicator`].
@@ -250,6 +255,25 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         op: CommOp,
         payload: Payload,
     ) -> Result<(), CommError> {
+        let tensor_bytes = match &payload {
+            Payload::Tensor(data) | Payload::Part { data, .. } => data.bytes.len(),
+            Payload::Empty | Payload::Bytes(_) => 0,
+        };
+        let limit = self.transport.borrow().max_tensor_bytes();
+        if let Some(limit) = limit {
+            if tensor_bytes > limit {
+                let reason = format!(
+                    "a tensor of {tensor_bytes} bytes on the control channel, which carries \
+                     at most {limit} (start-up values, checks): data between GPU processes \
+                     moves over NCCL (NcclComm), between CPU processes over MPI (MpiComm)"
+                );
+                return Err(self.fail(CommError::InvalidArgument {
+                    rank: self.rank,
+                    action: op,
+                    reason,
+                }));
+            }
+        }
         let bytes =
             wire::encode_data(stream, op, payload).map_err(|r| self.fail(self.data(op, r)))?;
         self.post(peer, bytes);

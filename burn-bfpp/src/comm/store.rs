@@ -1,12 +1,16 @@
-//! Rendezvous without MPI: the torchrun / Slurm environment and a minimal TCP key-value store
-//! on `MASTER_ADDR:MASTER_PORT`, through which ranks exchange small start-up values such as
-//! the NCCL unique id.
+//! Rendezvous without MPI: the torchrun / Slurm environment and a minimal TCP key-value store,
+//! through which GPU ranks exchange their control channel's addresses (and with them the
+//! NCCL unique ids) at start-up.
 //!
 //! World rank 0 serves the store (in a background thread) and is also a client of it; every
 //! rank [`set`](TcpStore::set)s and [`get`](TcpStore::get)s byte values by key, `get` waiting
 //! until the key exists or the timeout passes. Nothing is persistent and there is no
 //! authentication: the store lives for the start-up of one job on a trusted network, like
 //! torch's `TCPStore`.
+//!
+//! The store listens on `BFPP_STORE_PORT` of `MASTER_ADDR`, by default `MASTER_PORT + 1`,
+//! never on `MASTER_PORT` itself: under torchrun, that port is its agent's own store
+//! (`TORCHELASTIC_USE_AGENT_STORE`), which its workers join as clients.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -55,9 +59,15 @@ pub struct RendezvousEnv {
     pub local_rank: usize,
     /// Host of the store (world rank 0's node).
     pub master_addr: String,
-    /// Port of the store.
+    /// The launcher's `MASTER_PORT` (torchrun's own store listens there; this crate does not).
     pub master_port: u16,
+    /// Port of this crate's store on `master_addr`: `BFPP_STORE_PORT`, by default
+    /// `master_port + 1`.
+    pub store_port: u16,
 }
+
+/// The port of the store (see the [module docs](self)); default `MASTER_PORT + 1`.
+pub const STORE_PORT_ENV: &str = "BFPP_STORE_PORT";
 
 impl RendezvousEnv {
     /// Reads torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or
@@ -97,41 +107,57 @@ impl RendezvousEnv {
         };
         let master_addr = get("MASTER_ADDR")
             .ok_or_else(|| StoreError::Env("MASTER_ADDR is not set (the host of rank 0)".into()))?;
-        let port = number("MASTER_PORT")?;
-        let master_port = u16::try_from(port)
-            .map_err(|_| StoreError::Env(format!("MASTER_PORT={port} is not a TCP port")))?;
+        let port = |var: &str| -> Result<u16, StoreError> {
+            let port = number(var)?;
+            u16::try_from(port)
+                .map_err(|_| StoreError::Env(format!("{var}={port} is not a TCP port")))
+        };
+        let master_port = port("MASTER_PORT")?;
+        let store_port = if get(STORE_PORT_ENV).is_some() {
+            port(STORE_PORT_ENV)?
+        } else {
+            master_port.checked_add(1).ok_or_else(|| {
+                StoreError::Env(format!(
+                    "MASTER_PORT={master_port} leaves no port above it for the store; set \
+                     {STORE_PORT_ENV}"
+                ))
+            })?
+        };
         Ok(Some(RendezvousEnv {
             rank,
             world_size,
             local_rank,
             master_addr,
             master_port,
+            store_port,
         }))
     }
 }
 
 impl RendezvousEnv {
     /// World rank `rank` of `world_size` processes on this machine (local rank = rank), whose
-    /// store is on `127.0.0.1:port`: what `bfpp launch --via tcp` starts.
-    pub fn on_this_machine(rank: usize, world_size: usize, port: u16) -> Self {
+    /// store is on `127.0.0.1:store_port` (`MASTER_PORT` one below it).
+    pub fn on_this_machine(rank: usize, world_size: usize, store_port: u16) -> Self {
         RendezvousEnv {
             rank,
             world_size,
             local_rank: rank,
             master_addr: "127.0.0.1".into(),
-            master_port: port,
+            master_port: store_port.saturating_sub(1),
+            store_port,
         }
     }
 
-    /// The torchrun variables that describe this place in the job, for starting a process
-    /// there ([`from_env`](Self::from_env) reads them back).
-    pub fn vars(&self) -> [(&'static str, String); 5] {
+    /// The torchrun variables that describe this place in the job, and the store's port, for
+    /// starting a process there ([`from_env`](Self::from_env) reads them back).
+    pub fn vars(&self) -> [(&'static str, String); 6] {
         [
             ("RANK", self.rank.to_string()),
             ("WORLD_SIZE", self.world_size.to_string()),
             ("LOCAL_RANK", self.local_rank.to_string()),
             ("MASTER_ADDR", self.master_addr.clone()),
             ("MASTER_PORT", self.master_port.to_string()),
+            (STORE_PORT_ENV, self.store_port.to_string()),
         ]
     }
 }
@@ -160,62 +186,76 @@ impl std::fmt::Debug for TcpStore {
     }
 }
 
-const OP_SET: u8 = 0;
-const OP_GET: u8 = 1;
-
-fn write_frame(s: &mut TcpStream, op: u8, key: &str, value: &[u8]) -> std::io::Result<()> {
-    let mut buf = vec![op];
-    buf.extend_from_slice(&(key.len() as u32).to_le_bytes());
-    buf.extend_from_slice(key.as_bytes());
-    buf.extend_from_slice(&(value.len() as u32).to_le_bytes());
-    buf.extend_from_slice(value);
-    s.write_all(&buf)
+/// What a client asks the store.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+enum Request {
+    /// Store `value` under `key`; answered with [`Response::Stored`].
+    Set { key: String, value: Vec<u8> },
+    /// The value under `key`, if any; answered with [`Response::Value`].
+    Get { key: String },
 }
 
-fn read_bytes(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+/// What the store answers.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+enum Response {
+    Stored,
+    Value(Option<Vec<u8>>),
+}
+
+/// Largest store message (keys and values are addresses and ids, a few bytes).
+const MAX_STORE_MESSAGE: u32 = 1 << 20;
+
+/// Writes `message` as a length-prefixed postcard frame.
+fn send_frame<T: serde::Serialize>(s: &mut TcpStream, message: &T) -> std::io::Result<()> {
+    let bytes = postcard::to_allocvec(message).map_err(std::io::Error::other)?;
+    let len = u32::try_from(bytes.len()).map_err(std::io::Error::other)?;
+    s.write_all(&len.to_le_bytes())?;
+    s.write_all(&bytes)
+}
+
+/// Reads a frame written by [`send_frame`].
+fn read_frame<T: serde::de::DeserializeOwned>(s: &mut TcpStream) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
-    let mut v = vec![0u8; u32::from_le_bytes(len) as usize];
-    s.read_exact(&mut v)?;
-    Ok(v)
+    let len = u32::from_le_bytes(len);
+    if len > MAX_STORE_MESSAGE {
+        return Err(std::io::Error::other(format!(
+            "a store message of {len} bytes (not a bfpp store?)"
+        )));
+    }
+    let mut bytes = vec![0u8; len as usize];
+    s.read_exact(&mut bytes)?;
+    postcard::from_bytes(&bytes).map_err(std::io::Error::other)
 }
 
-/// Serves one connection: a sequence of SET (answered with an empty value) and GET (answered
-/// with a found flag and the value) frames.
+/// Serves one connection: a sequence of requests, each answered.
 fn serve(mut s: TcpStream, table: Table) -> std::io::Result<()> {
     loop {
-        let mut op = [0u8; 1];
-        if s.read_exact(&mut op).is_err() {
-            return Ok(()); // client closed
-        }
-        let key = String::from_utf8_lossy(&read_bytes(&mut s)?).into_owned();
-        let value = read_bytes(&mut s)?;
-        let mut table = table.lock().unwrap_or_else(|p| p.into_inner());
-        match op[0] {
-            OP_SET => {
-                table.insert(key, value);
-                s.write_all(&[1])?;
-            }
-            _ => match table.get(&key) {
-                Some(v) => {
-                    s.write_all(&[1])?;
-                    s.write_all(&(v.len() as u32).to_le_bytes())?;
-                    s.write_all(v)?;
+        let Ok(request) = read_frame::<Request>(&mut s) else {
+            return Ok(()); // client closed, or not speaking the protocol
+        };
+        let response = {
+            let mut table = table.lock().unwrap_or_else(|p| p.into_inner());
+            match request {
+                Request::Set { key, value } => {
+                    table.insert(key, value);
+                    Response::Stored
                 }
-                None => s.write_all(&[0])?,
-            },
-        }
+                Request::Get { key } => Response::Value(table.get(&key).cloned()),
+            }
+        };
+        send_frame(&mut s, &response)?;
     }
 }
 
 impl TcpStore {
-    /// Joins the store of `env`'s job: rank 0 starts serving on `0.0.0.0:MASTER_PORT` first.
+    /// Joins the store of `env`'s job: rank 0 starts serving on `0.0.0.0:store_port` first.
     /// Every later call waits at most `timeout`.
     pub fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, StoreError> {
-        let addr = format!("{}:{}", env.master_addr, env.master_port);
+        let addr = format!("{}:{}", env.master_addr, env.store_port);
         let server = if env.rank == 0 {
             Some(Self::serve_on(
-                &format!("0.0.0.0:{}", env.master_port),
+                &format!("0.0.0.0:{}", env.store_port),
                 &addr,
             )?)
         } else {
@@ -309,9 +349,17 @@ impl TcpStore {
             source,
         };
         let mut s = self.open(key)?;
-        write_frame(&mut s, OP_SET, key, value).map_err(io)?;
-        let mut ack = [0u8; 1];
-        s.read_exact(&mut ack).map_err(io)
+        let request = Request::Set {
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        send_frame(&mut s, &request).map_err(io)?;
+        match read_frame(&mut s).map_err(io)? {
+            Response::Stored => Ok(()),
+            Response::Value(_) => Err(io(std::io::Error::other(
+                "the store answered a set with a value",
+            ))),
+        }
     }
 
     /// The value under `key`, waiting until some rank has set it.
@@ -323,11 +371,12 @@ impl TcpStore {
         let start = Instant::now();
         let mut s = self.open(key)?;
         loop {
-            write_frame(&mut s, OP_GET, key, &[]).map_err(io)?;
-            let mut found = [0u8; 1];
-            s.read_exact(&mut found).map_err(io)?;
-            if found[0] == 1 {
-                return read_bytes(&mut s).map_err(io);
+            let request = Request::Get {
+                key: key.to_string(),
+            };
+            send_frame(&mut s, &request).map_err(io)?;
+            if let Response::Value(Some(value)) = read_frame(&mut s).map_err(io)? {
+                return Ok(value);
             }
             if start.elapsed() >= self.timeout {
                 return Err(StoreError::Timeout {
@@ -377,6 +426,17 @@ mod tests {
             (torch.master_addr.as_str(), torch.master_port),
             ("node0", 29500)
         );
+        // The store keeps off torchrun's own port unless told where to listen.
+        assert_eq!(torch.store_port, 29501);
+        let told = env(&[
+            &master[..],
+            &[("RANK", "0"), ("WORLD_SIZE", "2")],
+            &[(STORE_PORT_ENV, "31000")],
+        ]
+        .concat())
+        .expect("valid")
+        .expect("present");
+        assert_eq!(told.store_port, 31000);
         let slurm = env(&[
             &master[..],
             &[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "16")],
@@ -410,10 +470,54 @@ mod tests {
             local_rank: 1,
             master_addr: "node0".into(),
             master_port: 29_500,
+            store_port: 29_501,
         };
         let vars: HashMap<&str, String> = place.vars().into_iter().collect();
         let read = RendezvousEnv::from_lookup(|k| vars.get(k).cloned());
         assert_eq!(read.expect("valid").expect("present"), place);
+    }
+
+    /// torchrun's agent store holds MASTER_PORT when its workers start: with the variables
+    /// torchrun sets, the ranks meet on their own store and never touch that port.
+    #[test]
+    fn under_torchrun_the_store_leaves_master_port_to_the_agent() {
+        // torchrun's agent store, on two free ports in a row.
+        let (agent, master_port) = loop {
+            let agent = TcpListener::bind("127.0.0.1:0").expect("a free port");
+            let port = agent.local_addr().expect("bound").port();
+            if port < u16::MAX && TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+                break (agent, port);
+            }
+        };
+        agent.set_nonblocking(true).expect("non-blocking");
+        let vars = |rank: usize| {
+            let vars: HashMap<String, String> = [
+                ("RANK", rank.to_string()),
+                ("WORLD_SIZE", "2".to_string()),
+                ("LOCAL_RANK", rank.to_string()),
+                ("LOCAL_WORLD_SIZE", "2".to_string()),
+                ("GROUP_RANK", "0".to_string()),
+                ("MASTER_ADDR", "127.0.0.1".to_string()),
+                ("MASTER_PORT", master_port.to_string()),
+                ("TORCHELASTIC_RUN_ID", "none".to_string()),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            RendezvousEnv::from_lookup(|k| vars.get(k).cloned())
+                .expect("valid")
+                .expect("present")
+        };
+        let timeout = Duration::from_secs(5);
+        let server = TcpStore::connect(&vars(0), timeout).expect("rank 0 serves the store");
+        let client = TcpStore::connect(&vars(1), timeout).expect("rank 1 joins");
+        client.set("address/1", b"10.0.0.2:4000").expect("set");
+        assert_eq!(server.get("address/1").expect("get"), b"10.0.0.2:4000");
+        match agent.accept() {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            other => panic!("something connected to torchrun's MASTER_PORT: {other:?}"),
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::tests::{tensor1, values, world, B};
-use super::tests_tcp::over_tcp;
+use super::tests_control::over_control;
 use super::*;
 
 const REDUCE_TAG: u64 = 5;
@@ -76,7 +76,7 @@ fn a_rank_works_between_start_and_finish_and_gets_the_blocking_results_bit_for_b
     let overlapped = run_ranks(world(1, 2, timeout), work_between_start_and_finish)
         .unwrap_or_else(|e| panic!("{e}"));
     let reference = run_ranks(world(1, 2, timeout), blocking).unwrap_or_else(|e| panic!("{e}"));
-    let tcp: Vec<Vec<f32>> = over_tcp(1, 2, timeout, work_between_start_and_finish)
+    let control: Vec<Vec<f32>> = over_control(1, 2, timeout, work_between_start_and_finish)
         .into_iter()
         .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
         .collect();
@@ -87,7 +87,7 @@ fn a_rank_works_between_start_and_finish_and_gets_the_blocking_results_bit_for_b
             "rank {rank}"
         );
         assert_eq!(
-            bits(&tcp[rank]),
+            bits(&control[rank]),
             bits(&reference[rank]),
             "rank {rank} over TCP"
         );

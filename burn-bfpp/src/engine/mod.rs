@@ -102,6 +102,9 @@ pub enum FaultKind {
     /// Sleep this long at the start of the step, then carry on: a rank slower than the
     /// communication timeout, which its peers must name when they give up.
     Sleep(Duration),
+    /// End the whole process at once (`std::process::abort`), as a crash or a killed rank
+    /// would: nothing is reported, so its peers (or its launcher) must notice.
+    Abort,
 }
 
 /// The parallel layout and the optimization settings of a run.

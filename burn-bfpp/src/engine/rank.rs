@@ -180,6 +180,10 @@ where
             Some(FaultKind::Panic) => panic!("injected panic on rank {rank} at step {step}"),
             Some(FaultKind::Error) => return Err(EngineError::InjectedFault { rank, step }),
             Some(FaultKind::Sleep(pause)) => std::thread::sleep(pause),
+            Some(FaultKind::Abort) => {
+                eprintln!("rank {rank}: injected abort at step {step}");
+                std::process::abort()
+            }
             Some(FaultKind::NonFinite) | None => {}
         }
         exec.poison = fault.is_some_and(|f| f.kind == FaultKind::NonFinite);

@@ -108,6 +108,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NcclComm<F, I, BT> {
                     transfers: RefCell::default(),
                     sent: ByteCounter::default(),
                     debug_calls: super::debug_collectives(),
+                    timeout: config.timeout,
                     _elements: PhantomData,
                 })
             })
@@ -132,8 +133,9 @@ where
     /// members of each group exchange their GPUs through `host`; a group on distinct GPUs gets
     /// an NCCL communicator, whose unique id its group rank 0 creates and sends to the others
     /// through `host`. Fails if NCCL cannot be loaded, if two members of the data-parallel
-    /// group share a GPU, or if NCCL cannot create a communicator. Blocks until every member
-    /// of each group has joined.
+    /// group (or of the pipeline group: processes move their transfers over NCCL too) share a
+    /// GPU, or if NCCL cannot create a communicator. Blocks until every member of each group
+    /// has joined.
     pub fn over_host(host: H) -> Result<Self, CommError> {
         nccl_available().map_err(|e| host.fail(e))?;
         let ordinal = host.device().index as i32;
@@ -151,10 +153,26 @@ where
             }));
         };
         let dp = Self::join(&host, Group::DataParallel, dp_id, ordinal)?;
-        let pp = setup_group(&host, Group::Pipeline, ordinal, nccl_unique_id)?
+        let pipeline = setup_group(&host, Group::Pipeline, ordinal, nccl_unique_id)?;
+        if pipeline.unique_id.is_none() {
+            // Its transfers would have to take the host path: not a data transport here.
+            return Err(host.fail(CommError::InvalidGrid {
+                pp: host.grid().pp(),
+                dp: host.grid().dp(),
+                reason: format!(
+                    "rank {}'s pipeline group is on GPUs {:?}: ranks that are processes need \
+                     a GPU each (their transfers move over NCCL, which refuses two members on \
+                     one GPU); run ranks that share a GPU as threads of one process",
+                    host.rank(),
+                    pipeline.ordinals
+                ),
+            }));
+        }
+        let pp = pipeline
             .unique_id
             .map(|id| Self::join(&host, Group::Pipeline, id, ordinal))
             .transpose()?;
+        let timeout = host.config().timeout;
         Ok(NcclComm {
             host,
             dp: RefCell::new(dp),
@@ -164,6 +182,7 @@ where
             transfers: RefCell::default(),
             sent: ByteCounter::default(),
             debug_calls: super::debug_collectives(),
+            timeout,
             _elements: PhantomData,
         })
     }

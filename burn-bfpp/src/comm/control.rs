@@ -1,12 +1,16 @@
-//! [`TcpComm`]: one rank per process, the processes connected to each other over TCP: a
-//! [`ProcessComm`] for launchers that are not MPI (torchrun, Slurm's `srun` without PMI,
-//! `bfpp launch`) and for machines without an MPI library.
+//! [`ControlComm`]: the control channel of ranks that are GPU processes without MPI — a
+//! [`ProcessComm`] over TCP connections between the processes, for what moves besides the
+//! data: the NCCL unique ids and the start-up exchanges, barriers, abort notices, the debug
+//! checks of `BFPP_DEBUG_COLLECTIVES`, and the rank-0 gather of results. Never bulk data:
+//! tensors of more than [`MAX_CONTROL_TENSOR_BYTES`] are refused (the data of GPU ranks moves
+//! over NCCL, that of CPU processes over MPI, that of threads through memory).
 //!
 //! Start-up uses the launcher's environment ([`RendezvousEnv`]) and the job's
-//! [`TcpStore`] on `MASTER_ADDR:MASTER_PORT`: every rank listens on a port of its own and
-//! publishes its address there, then connects to every lower rank and accepts every higher
-//! one, so each pair of ranks shares one connection. Connecting never waits for the peer to
-//! accept (the peer listens before it publishes), so the mesh cannot deadlock.
+//! [`TcpStore`] (on `BFPP_STORE_PORT`, by default `MASTER_PORT + 1`): every rank listens on a
+//! port of its own and publishes its address there, then connects to every lower rank and
+//! accepts every higher one, so each pair of ranks shares one connection. Connecting never
+//! waits for the peer to accept (the peer listens before it publishes), so the mesh cannot
+//! deadlock.
 //!
 //! A rank publishes the address it reaches the store from (or `BFPP_ADVERTISE_ADDR`); if a
 //! peer published a loopback address that this rank cannot reach, the error says why.
@@ -29,18 +33,22 @@ use super::process::{Incoming, ProcessComm, Transport};
 use super::store::{RendezvousEnv, TcpStore};
 use super::{CommConfig, CommError, RankGrid};
 
-/// A rank of a world whose ranks are processes connected over TCP: a [`ProcessComm`] over
-/// [`TcpTransport`], created by [`TcpComm::connect`].
-pub type TcpComm<B> = ProcessComm<B, TcpTransport>;
+/// The control channel of a rank of a world of GPU processes: a [`ProcessComm`] over
+/// [`ControlTransport`], created by [`ControlComm::connect`], on which `NcclComm` is layered.
+pub type ControlComm<B> = ProcessComm<B, ControlTransport>;
+
+/// Largest tensor the control channel carries (descriptors, ids, checks): data goes over
+/// NCCL. 64 KiB.
+pub const MAX_CONTROL_TENSOR_BYTES: usize = 64 << 10;
 
 /// First bytes of every connection, so a stray client is refused instead of misread.
-const HELLO: &[u8; 8] = b"bfpp-tcp";
+const HELLO: &[u8; 8] = b"bfpp-ctl";
 
 /// Largest frame accepted (a corrupted length must not allocate the machine's memory).
 const MAX_FRAME: u64 = 1 << 40;
 
-/// Messages as length-prefixed frames on one TCP connection per pair of ranks.
-pub struct TcpTransport {
+/// Control messages as length-prefixed frames on one TCP connection per pair of ranks.
+pub struct ControlTransport {
     incoming: Receiver<Incoming>,
     /// Messages to this rank itself go straight to its own inbox.
     to_self: Sender<Incoming>,
@@ -56,7 +64,7 @@ pub struct TcpTransport {
     _store: TcpStore,
 }
 
-impl<B: Backend> ProcessComm<B, TcpTransport> {
+impl<B: Backend> ProcessComm<B, ControlTransport> {
     /// Joins the world described by `env` (the launcher's variables) as world rank
     /// `env.rank` of `grid`, computing on `device`: publishes this rank's address in the
     /// job's store and connects to every other rank. Every rank of the world calls it; it
@@ -76,7 +84,8 @@ impl<B: Backend> ProcessComm<B, TcpTransport> {
                 dp: grid.dp(),
                 reason: format!(
                     "the launcher started {} processes but pp {} × dp {} needs {}; start {} \
-                     processes (e.g. `bfpp launch --nproc {}`) or change --pp/--dp",
+                     processes (one per GPU, e.g. `bfpp launch --nproc {}`) or change \
+                     --pp/--dp",
                     env.world_size,
                     grid.pp(),
                     grid.dp(),
@@ -86,21 +95,22 @@ impl<B: Backend> ProcessComm<B, TcpTransport> {
                 ),
             });
         }
-        let transport =
-            TcpTransport::connect(env, config.timeout).map_err(|reason| CommError::Rendezvous {
+        let transport = ControlTransport::connect(env, config.timeout).map_err(|reason| {
+            CommError::Rendezvous {
                 rank: env.rank,
                 reason,
-            })?;
+            }
+        })?;
         Ok(ProcessComm::new(grid, env.rank, device, config, transport))
     }
 }
 
 /// The store key under which `rank` publishes its listening address.
 fn address_key(rank: usize) -> String {
-    format!("bfpp/tcp/address/{rank}")
+    format!("bfpp/control/address/{rank}")
 }
 
-impl TcpTransport {
+impl ControlTransport {
     /// Builds the mesh of connections; see the [module docs](self).
     fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, String> {
         let deadline = Instant::now() + timeout;
@@ -211,7 +221,7 @@ impl TcpTransport {
                 s.try_clone()
                     .map_err(|e| format!("connection to rank {peer}: {e}"))
             };
-            // Frames are small and latency-bound (pipeline transfers on the critical path).
+            // Frames are small and latency-bound (barriers, abort notices).
             stream
                 .set_nodelay(true)
                 .and_then(|()| stream.set_nonblocking(false))
@@ -226,7 +236,7 @@ impl TcpTransport {
             std::thread::spawn(move || write_frames(writer, frames, count));
             outgoing.push(Some(queue));
         }
-        Ok(TcpTransport {
+        Ok(ControlTransport {
             incoming,
             to_self,
             rank,
@@ -349,7 +359,7 @@ fn write_frames(stream: TcpStream, frames: Receiver<Vec<u8>>, in_flight: Arc<Ato
     }
 }
 
-impl Transport for TcpTransport {
+impl Transport for ControlTransport {
     fn post(&mut self, peer: usize, bytes: Vec<u8>) {
         if peer == self.rank {
             let _ = self.to_self.send(Incoming::Message { from: peer, bytes });
@@ -368,6 +378,10 @@ impl Transport for TcpTransport {
         self.incoming.try_recv().ok()
     }
 
+    fn max_tensor_bytes(&self) -> Option<usize> {
+        Some(MAX_CONTROL_TENSOR_BYTES)
+    }
+
     fn sends_in_flight(&mut self) -> bool {
         self.in_flight.load(Ordering::Acquire) > 0
     }
@@ -381,7 +395,7 @@ impl Transport for TcpTransport {
     }
 }
 
-impl Drop for TcpTransport {
+impl Drop for ControlTransport {
     fn drop(&mut self) {
         // Everything posted has been written (or abandoned): tell the peers this rank is done,
         // and leave the read side open so nothing in flight towards this rank is reset.

@@ -1,5 +1,6 @@
-//! [`TcpComm`] on loopback, each rank a thread with its own connections (as it would be a
-//! process): the same results as [`LocalComm`] bit for bit, and failures reported by rank.
+//! [`ControlComm`] on loopback, each rank a thread with its own connections (as it would be a
+//! process): the process ranks' message layer gives the same results as [`LocalComm`] bit
+//! for bit, failures are reported by rank, and the control channel refuses bulk data.
 
 use std::time::{Duration, Instant};
 
@@ -18,11 +19,11 @@ fn env(rank: usize, world_size: usize, port: u16) -> RendezvousEnv {
 
 /// Connects a `pp × dp` world over TCP, one thread per rank, and runs `f` on every rank;
 /// returns each rank's result in world-rank order.
-pub(super) fn over_tcp<T: Send>(
+pub(super) fn over_control<T: Send>(
     pp: usize,
     dp: usize,
     timeout: Duration,
-    f: impl Fn(&TcpComm<B>) -> Result<T, CommError> + Sync,
+    f: impl Fn(&ControlComm<B>) -> Result<T, CommError> + Sync,
 ) -> Vec<Result<T, CommError>> {
     let grid = RankGrid::new(pp, dp).expect("valid grid");
     let port = free_port();
@@ -33,7 +34,7 @@ pub(super) fn over_tcp<T: Send>(
             .map(|rank| {
                 scope.spawn(move || {
                     let e = env(rank, grid.world_size(), port);
-                    let comm = TcpComm::<B>::connect(&e, grid, Default::default(), config)?;
+                    let comm = ControlComm::<B>::connect(&e, grid, Default::default(), config)?;
                     f(&comm)
                 })
             })
@@ -89,8 +90,8 @@ fn every_operation<C: Communicator<B>>(comm: &C) -> Result<Vec<f32>, CommError> 
 }
 
 #[test]
-fn a_tcp_world_gives_what_the_in_process_world_gives_bit_for_bit() {
-    let tcp: Vec<Vec<f32>> = over_tcp(2, 2, Duration::from_secs(20), every_operation)
+fn a_control_world_gives_what_the_in_process_world_gives_bit_for_bit() {
+    let control: Vec<Vec<f32>> = over_control(2, 2, Duration::from_secs(20), every_operation)
         .into_iter()
         .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
         .collect();
@@ -100,7 +101,7 @@ fn a_tcp_world_gives_what_the_in_process_world_gives_bit_for_bit() {
         every_operation,
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    for (rank, (t, l)) in tcp.iter().zip(&local).enumerate() {
+    for (rank, (t, l)) in control.iter().zip(&local).enumerate() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(t), bits(l), "rank {rank} differs");
     }
@@ -109,13 +110,13 @@ fn a_tcp_world_gives_what_the_in_process_world_gives_bit_for_bit() {
         .map(|i| ((7 + i) as f32).sin() * 10f32.powi(i - 2))
         .collect();
     let at = 6 + 4 + 6 + 4 + 3;
-    assert_eq!(&tcp[0][at..at + 2], rank1.as_slice());
+    assert_eq!(&control[0][at..at + 2], rank1.as_slice());
 }
 
 #[test]
 fn a_rank_whose_process_goes_away_is_reported_at_once_not_at_the_timeout() {
     let start = Instant::now();
-    let results = over_tcp(3, 1, Duration::from_secs(60), |comm| {
+    let results = over_control(3, 1, Duration::from_secs(60), |comm| {
         let device = *comm.device();
         match comm.rank() {
             // Leaves without sending what rank 1 waits for (its connections close).
@@ -148,7 +149,7 @@ fn a_rank_whose_process_goes_away_is_reported_at_once_not_at_the_timeout() {
 
 #[test]
 fn a_failing_rank_is_named_by_the_others() {
-    let results = over_tcp(2, 2, Duration::from_secs(60), |comm| {
+    let results = over_control(2, 2, Duration::from_secs(60), |comm| {
         let device = *comm.device();
         if comm.rank() == 3 {
             comm.abort("out of memory in stage 3");
@@ -176,13 +177,13 @@ fn start_up_errors_name_the_problem() {
     let grid = RankGrid::new(2, 2).expect("valid grid");
     let config = CommConfig::with_timeout(Duration::from_millis(600));
     // The launcher started 3 processes for a world of 4.
-    let err = TcpComm::<B>::connect(&env(0, 3, free_port()), grid, Default::default(), config)
+    let err = ControlComm::<B>::connect(&env(0, 3, free_port()), grid, Default::default(), config)
         .expect_err("world size differs");
     assert!(err.to_string().contains("started 3 processes"), "{err}");
     // Rank 0 of 2 alone: rank 1 never connects.
     let grid = RankGrid::new(2, 1).expect("valid grid");
     let start = Instant::now();
-    let err = TcpComm::<B>::connect(&env(0, 2, free_port()), grid, Default::default(), config)
+    let err = ControlComm::<B>::connect(&env(0, 2, free_port()), grid, Default::default(), config)
         .expect_err("rank 1 never comes");
     assert!(
         matches!(&err, CommError::Rendezvous { rank: 0, reason } if reason.contains("ranks [1]")),
@@ -293,19 +294,23 @@ fn a_stray_connection_at_start_up_does_not_break_the_world() {
     let config = CommConfig::with_timeout(Duration::from_secs(20));
     let results = std::thread::scope(|scope| {
         let rank0 = scope.spawn(move || {
-            let comm = TcpComm::<B>::connect(&env(0, 2, port), grid, Default::default(), config)?;
+            let comm =
+                ControlComm::<B>::connect(&env(0, 2, port), grid, Default::default(), config)?;
             comm.barrier(Group::Pipeline)
         });
         // A client that is not a rank reaches rank 0's published port before rank 1 does.
         let store = TcpStore::connect(&env(1, 2, port), Duration::from_secs(20)).expect("store");
-        let published = store.get("bfpp/tcp/address/0").expect("rank 0 publishes");
+        let published = store
+            .get("bfpp/control/address/0")
+            .expect("rank 0 publishes");
         let addr: std::net::SocketAddr = String::from_utf8_lossy(&published)
             .parse()
             .expect("an address");
         let mut stray = std::net::TcpStream::connect(addr).expect("the port is open");
         std::io::Write::write_all(&mut stray, b"GET / HTTP/1.0\r\n\r\n").expect("write");
         let rank1 = scope.spawn(move || {
-            let comm = TcpComm::<B>::connect(&env(1, 2, port), grid, Default::default(), config)?;
+            let comm =
+                ControlComm::<B>::connect(&env(1, 2, port), grid, Default::default(), config)?;
             comm.barrier(Group::Pipeline)
         });
         [rank0.join(), rank1.join()].map(|r| r.expect("rank thread"))
@@ -313,4 +318,25 @@ fn a_stray_connection_at_start_up_does_not_break_the_world() {
     for (rank, result) in results.iter().enumerate() {
         assert!(result.is_ok(), "rank {rank}: {result:?}");
     }
+}
+
+/// A tensor beyond the control channel's limit is refused with an error saying where data
+/// goes instead, and the world stops.
+#[test]
+fn the_control_channel_refuses_bulk_data() {
+    let results = over_control(1, 2, Duration::from_secs(20), |comm| {
+        let big = MAX_CONTROL_TENSOR_BYTES / 4 + 1;
+        if comm.rank() == 0 {
+            comm.send(1, 9, tensor1(vec![0.5; big], comm.device()))
+        } else {
+            comm.recv::<1>(0, 9, [big], DType::F32).map(drop)
+        }
+    });
+    let sender = results[0].as_ref().expect_err("refused").to_string();
+    assert!(
+        sender.contains("control channel") && sender.contains("NCCL"),
+        "{sender}"
+    );
+    let receiver = results[1].as_ref().expect_err("stopped").to_string();
+    assert!(receiver.contains("rank 0"), "{receiver}");
 }
