@@ -151,18 +151,34 @@ struct GraphCleaner<'a> {
 
 impl<'a> GraphCleaner<'a> {
     fn cleanup_orphaned_entries() {
-        let graphs = {
+        // burn-bfpp patch: visit each graph once. `graphs` maps every node to its graph, so
+        // iterating its values locked each graph once per node (hundreds of times per
+        // backward), and with several threads' graphs in the registry those locks contended
+        // with the threads building them.
+        let graphs: Vec<Arc<Graph>> = {
             // Get the available graphs and release the lock
             match STATE.lock().as_ref() {
-                Some(state) => state.graphs.clone(),
+                Some(state) => {
+                    let mut seen = HashSet::new();
+                    state
+                        .graphs
+                        .values()
+                        .filter(|graph| seen.insert(Arc::as_ptr(graph)))
+                        .cloned()
+                        .collect()
+                }
                 None => return,
             }
         };
 
         let mut should_remove = Vec::new();
-        for graph in graphs.values() {
+        for graph in graphs.iter() {
             {
-                let mut guard = graph.state.lock();
+                // burn-bfpp patch: a graph whose lock another thread holds is being built or
+                // differentiated, so it is in use: it is swept at a later backward.
+                let Some(mut guard) = graph.state.try_lock() else {
+                    continue;
+                };
                 // Double safety: in case it was marked as no longer useful, but other
                 // nodes are still relevant, we only check which nodes can safely be removed.
                 if !guard.server.maybe_useful() {
