@@ -12,12 +12,14 @@
 #                                 simulator's prediction for the same layout, and writes both
 #                                 timelines to target/gpu-run/out/.
 #
-# It then runs the NCCL communicator's GPU test (every collective on NCCL against host
-# values), the same training with it (`--comm nccl`: data-parallel collectives on the
-# device buffers, here groups of one rank), the same training again with one process per
-# rank (TCP between the processes, NcclComm layered on it) and, with
-# more than one GPU, with the ranks spread over all GPUs; both must end at the one-GPU run's
-# final loss.
+# It then measures the engine against a plain Burn CUDA training loop of the same GPT on GPU 0
+# (`gpu_run --baseline`): the engine with one rank (pp=1), and a pp=2 × loops=2 breadth-first
+# ZeRO-3 run, each as a ratio of tokens/s to the plain loop's, with every run's MFU. Then the
+# NCCL communicator's GPU test (every collective on NCCL against host values), the same
+# training with it (`--comm nccl`: data-parallel collectives on the device buffers, here
+# groups of one rank) and, with more than one GPU, the ranks spread over all GPUs as threads
+# and as one process per GPU (NCCL for collectives and pipeline transfers, the TCP control
+# channel for the rest); each must end at the one-GPU run's final loss.
 #
 # On a machine without an NVIDIA GPU, `run` performs every step that does not need one (binary
 # present and runnable) and then stops with exit status 2 and a message saying so.
@@ -79,6 +81,10 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 nvidia-smi -L
 
+# NCCL kernels wait on the GPU for their peers; with CUDA's lazy module loading a kernel loaded
+# meanwhile can wait for them in turn (NCCL's troubleshooting notes): load modules eagerly.
+export CUDA_MODULE_LOADING=EAGER
+
 step "CUDA libraries (NVRTC, NCCL) for the dynamic loader"
 # shellcheck source=scripts/gpu-libs.sh
 source scripts/gpu-libs.sh
@@ -90,6 +96,34 @@ step "training on GPU 0: breadth-first pp=4 loops=2 (8 stages), ZeRO-3, ranks sh
 timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --out "$OUT/out" ${GPU_RUN_ARGS:-} 2>&1 \
     | tee "$OUT/one-gpu.log" || failed "the one-GPU training run (exit status $?; 124 = out of time)"
 
+step "engine against a plain Burn loop of the same GPT on GPU 0 (tokens/s ratios, MFU)"
+# The same model, data, micro-batches and steps: the plain loop (one device, one backward per
+# step), the engine with one rank, and the engine with a pp=2 × loops=2 breadth-first ZeRO-3
+# pipeline of threads sharing the GPU.
+# shellcheck disable=SC2086
+timeout "${BASELINE_S:-120}" "$OUT/gpu_run" --backend cuda --baseline ${GPU_RUN_ARGS:-} 2>&1 \
+    | tee "$OUT/plain.log" || failed "the plain Burn run (exit status $?)"
+# shellcheck disable=SC2086
+timeout "${BASELINE_S:-120}" "$OUT/gpu_run" --backend cuda --pp 1 --loops 1 --zero 0 \
+    --out "$OUT/out-pp1" ${GPU_RUN_ARGS:-} 2>&1 | tee "$OUT/pp1.log" || failed "the pp=1 engine run (exit status $?)"
+# shellcheck disable=SC2086
+timeout "${BASELINE_S:-120}" "$OUT/gpu_run" --backend cuda --pp 2 --loops 2 --zero 3 \
+    --out "$OUT/out-pp2" ${GPU_RUN_ARGS:-} 2>&1 | tee "$OUT/pp2.log" || failed "the pp=2 engine run (exit status $?)"
+python3 - "$OUT/plain.log" "$OUT/pp1.log" "$OUT/pp2.log" <<'PY' || failed "the baseline comparison"
+import sys
+def figure(path, name):
+    for line in open(path):
+        if line.startswith(name):
+            return float(line.split()[len(name.split())].rstrip("%"))
+    sys.exit(f"no `{name}` line in {path}")
+plain = figure(sys.argv[1], "tokens/s")
+print(f"{'run':38} {'tokens/s':>10} {'/ plain':>8} {'MFU':>8}")
+for label, path in [("plain Burn loop", sys.argv[1]), ("engine, one rank (pp=1)", sys.argv[2]),
+                    ("engine, pp=2 loops=2 BF ZeRO-3", sys.argv[3])]:
+    tps = figure(path, "tokens/s")
+    print(f"{label:38} {tps:10.0f} {tps / plain:8.3f} {figure(path, 'MFU'):7.2f}%")
+PY
+
 step "NCCL communicator: collectives on every GPU, then the same run with --comm nccl"
 timeout 90 "$OUT/nccl_comm" --include-ignored --test-threads=1 \
     || failed "the NcclComm tests (exit status $?)"
@@ -97,30 +131,6 @@ timeout 90 "$OUT/nccl_comm" --include-ignored --test-threads=1 \
 timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-nccl" ${GPU_RUN_ARGS:-} 2>&1 \
     | tee "$OUT/nccl.log" || failed "the --comm nccl training run (exit status $?)"
 compare_losses "LocalComm" "$OUT/one-gpu.log" "NcclComm" "$OUT/nccl.log" || failed "LocalComm against NcclComm"
-
-step "process ranks: the same run as 4 processes (torchrun's variables, TCP between them, NcclComm over it)"
-# What `bfpp launch --via tcp` and torchrun do: one process per rank, rank r on GPU r % gpus
-# (here all on GPU 0, so pipeline transfers go through host memory over TCP and the
-# data-parallel groups of one rank get one-member NCCL communicators from ncclCommInitRank).
-port=$((20000 + RANDOM % 20000))
-pids=()
-for rank in 0 1 2 3; do
-    # shellcheck disable=SC2086
-    RANK=$rank WORLD_SIZE=4 LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-        timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --comm nccl --out "$OUT/out-processes" \
-        ${GPU_RUN_ARGS:-} >"$OUT/process-$rank.log" 2>&1 &
-    pids+=($!)
-done
-ranks_failed=0
-for rank in 0 1 2 3; do
-    wait "${pids[$rank]}" || { ranks_failed=1; echo "rank $rank failed:"; tail -n 5 "$OUT/process-$rank.log"; }
-done
-cat "$OUT/process-0.log"
-if ((ranks_failed)); then
-    failed "the process-rank run (logs: $OUT/process-*.log)"
-else
-    compare_losses "threads" "$OUT/one-gpu.log" "processes" "$OUT/process-0.log" || failed "threads against processes"
-fi
 
 if ((gpus > 1)); then
     step "multi-GPU check: the same run with the ranks spread over $gpus GPUs"
@@ -135,6 +145,27 @@ if ((gpus > 1)); then
     timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --comm nccl --gpus "$gpus" --out "$OUT/out-multi-nccl" \
         ${GPU_RUN_ARGS:-} 2>&1 | tee "$OUT/multi-gpu-nccl.log" || failed "the multi-GPU NCCL run (exit status $?)"
     compare_losses "one GPU" "$OUT/one-gpu.log" "NCCL over GPUs" "$OUT/multi-gpu-nccl.log" || failed "one GPU against NCCL over GPUs"
+
+    step "process ranks: one process per GPU ($gpus), NCCL for data, the TCP control channel for the rest"
+    # What `bfpp launch -- train --backend cuda` and torchrun do: rank r on GPU r; the pipeline
+    # group spans the GPUs, so transfers are NCCL sends and receives.
+    port=$((20000 + RANDOM % 20000))
+    pids=()
+    for ((rank = 0; rank < gpus; rank++)); do
+        # shellcheck disable=SC2086
+        RANK=$rank WORLD_SIZE=$gpus LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+            timeout "${TRAIN_S:-150}" "$OUT/gpu_run" --backend cuda --comm nccl --gpus "$gpus" \
+            --pp "$gpus" --loops 2 --out "$OUT/out-processes" ${GPU_RUN_ARGS:-} >"$OUT/process-$rank.log" 2>&1 &
+        pids+=($!)
+    done
+    ranks_failed=0
+    for ((rank = 0; rank < gpus; rank++)); do
+        wait "${pids[$rank]}" || { ranks_failed=1; echo "rank $rank failed:"; tail -n 5 "$OUT/process-$rank.log"; }
+    done
+    cat "$OUT/process-0.log"
+    if ((ranks_failed)); then
+        failed "the process-rank run (logs: $OUT/process-*.log)"
+    fi
 fi
 if ((${#failures[@]})); then
     printf 'gpu-run: FAILED: %s\n' "${failures[@]}" >&2

@@ -155,3 +155,41 @@ fn cpu_ranks_as_processes_are_refused_with_where_they_run() {
         "{text}"
     );
 }
+
+/// `--baseline`: the plain Burn loop of the same model and data, with the same figure lines
+/// as the engine's run (what scripts/gpu-run.sh divides), starting at the same loss.
+#[test]
+fn the_plain_burn_baseline_reports_the_figures_the_script_compares() {
+    let out = run(&[TINY_RUN, &["--baseline", "--precision", "fp32"][..]].concat());
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("plain Burn loop"), "{text}");
+    for line in ["tokens/s", "model TFLOP/s per GPU", "MFU"] {
+        let value = text
+            .lines()
+            .find(|l| l.starts_with(line))
+            .unwrap_or_else(|| panic!("no `{line}` line:\n{text}"))
+            .split_whitespace()
+            .last()
+            .map(|v| v.trim_end_matches('%').parse::<f64>());
+        assert!(
+            matches!(value, Some(Ok(v)) if v > 0.0),
+            "`{line}` is not a positive number:\n{text}"
+        );
+    }
+    // Same seed, data and first step as the engine's runs.
+    let engine = run(&[TINY_RUN, &["--precision", "fp32"][..]].concat());
+    let engine = String::from_utf8_lossy(&engine.stdout).into_owned();
+    let first = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("step   1"))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .map(str::to_string)
+    };
+    assert!(first(&text).is_some(), "{text}");
+    assert_eq!(first(&text), first(&engine), "{text}\n{engine}");
+}

@@ -20,6 +20,7 @@
 //! and MFU for the same layout with one GPU of `--hardware` per rank. It writes the measured
 //! and the simulated timelines (SVG) and the measured Chrome trace to `--out`.
 
+mod baseline;
 mod report;
 
 use std::path::PathBuf;
@@ -151,6 +152,11 @@ struct Args {
     /// Folder for the timelines and the trace.
     #[arg(long, default_value = "gpu-run-out")]
     out: PathBuf,
+    /// Train the same GPT, data and steps with a plain Burn loop on one device instead of the
+    /// engine (the baseline the engine's tokens/s is measured against; `--pp`, `--loops` and
+    /// `--zero` do not apply).
+    #[arg(long)]
+    baseline: bool,
 }
 
 /// Any failure of the run, shown to the user by its message.
@@ -198,6 +204,9 @@ fn start(mut args: Args) -> Result<(), Error> {
         args.hardware = auto_hardware(args.backend);
     }
     HardwareConfig::preset(&args.hardware)?;
+    if args.baseline {
+        return run_baseline(&args);
+    }
     // One process per rank when a launcher set torchrun's variables, threads otherwise.
     let process = RendezvousEnv::from_env()?.filter(|env| env.world_size > 1);
     match (args.backend, args.comm, process) {
@@ -255,6 +264,39 @@ fn start(mut args: Args) -> Result<(), Error> {
         }
         #[allow(unreachable_patterns)]
         (other, _, _) => Err(format!(
+            "backend {other:?} is not built into this binary: rebuild with `--features {}`",
+            format!("{other:?}").to_lowercase()
+        )
+        .into()),
+    }
+}
+
+/// The plain Burn loop on the backend's first device (`--baseline`).
+fn run_baseline(args: &Args) -> Result<(), Error> {
+    let peak = match args.peak_tflops {
+        Some(p) => p,
+        None => HardwareConfig::preset(&args.hardware)?.peak_flops / 1e12,
+    };
+    match args.backend {
+        BackendChoice::Flex => baseline::plain_burn::<burn::backend::Autodiff<burn::backend::Flex>>(
+            args,
+            Default::default(),
+            peak,
+        ),
+        #[cfg(feature = "wgpu")]
+        BackendChoice::Wgpu => baseline::plain_burn::<burn::backend::Autodiff<burn::backend::Wgpu>>(
+            args,
+            burn::backend::wgpu::WgpuDevice::default(),
+            peak,
+        ),
+        #[cfg(feature = "cuda")]
+        BackendChoice::Cuda => baseline::plain_burn::<burn::backend::Autodiff<burn::backend::Cuda>>(
+            args,
+            burn::backend::cuda::CudaDevice::new(0),
+            peak,
+        ),
+        #[allow(unreachable_patterns)]
+        other => Err(format!(
             "backend {other:?} is not built into this binary: rebuild with `--features {}`",
             format!("{other:?}").to_lowercase()
         )
