@@ -45,6 +45,16 @@ fn check_dtypes<B: FusedOps>(
 /// Flash attention: `softmax(QKᵀ/√d)·V` and the per-row log-sum-exp, without materialising
 /// the `[seq_q × seq_k]` scores on backends with kernels. See [`FusedOps`] for layouts; the
 /// head dimension must be a multiple of 16, at most [`MAX_HEAD_DIM`].
+///
+/// `key_padding_mask` is `true` for padded keys; `causal` hides key `j` from query `i` when
+/// `j > i`. Returns the output (shaped like `q`) and the log-sum-exp (`[batch, heads,
+/// seq_q]`). Under `Autodiff` the backward gives gradients to `q`, `k` and `v`.
+///
+/// # Errors
+///
+/// [`FusedError`] when the shapes disagree, a dimension is zero, the head dimension is
+/// unsupported, or the inputs' float types differ or the device cannot compute in theirs;
+/// all checked before anything is launched.
 pub fn flash_attention<B: FusedOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -104,7 +114,13 @@ pub fn flash_attention<B: FusedOps>(
 /// Fused `gelu(x·W + b)` (exact GELU); `x` `[tokens, d_in]`, `w` `[d_in, d_out]`, `b`
 /// `[d_out]`, all of one float type the device supports (f32 everywhere; f16 and bf16 where
 /// the device computes in them, accumulating in f32 on backends with kernels). Under
-/// `Autodiff` the backward gives gradients to all three inputs.
+/// `Autodiff` the backward gives gradients to all three inputs; it recomputes `x·W + b`
+/// instead of keeping it from the forward (see [`crate::memory::linear_gelu_saved_bytes`]).
+///
+/// # Errors
+///
+/// [`FusedError`] when the shapes disagree, a dimension is zero, or the inputs' float types
+/// differ or the device cannot compute in theirs; all checked before anything is launched.
 pub fn linear_gelu<B: FusedOps>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
@@ -145,7 +161,18 @@ pub fn linear_gelu<B: FusedOps>(
 
 /// Fused language-model head loss: mean cross-entropy of `softmax(h·W)` against `targets`,
 /// skipping tokens whose target is `ignore_index`; never materialises the `[tokens × vocab]`
-/// logits on backends with kernels. Returns a one-element tensor.
+/// logits on backends with kernels. `h` is `[tokens, hidden]`, `w` `[hidden, vocab]` and
+/// `targets` `[tokens]`. Returns a one-element tensor (0 when every token is ignored). Under
+/// `Autodiff` the backward gives gradients to `h` and `w`.
+///
+/// The target values must be class ids in `0..vocab` or `ignore_index`; they are not checked,
+/// as that would read them back from the device.
+///
+/// # Errors
+///
+/// [`FusedError`] when the shapes disagree, a dimension is zero, or `h` and `w` differ in
+/// float type or the device cannot compute in theirs; all checked before anything is
+/// launched.
 pub fn linear_cross_entropy<B: FusedOps>(
     h: Tensor<B, 2>,
     w: Tensor<B, 2>,

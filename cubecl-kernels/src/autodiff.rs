@@ -91,6 +91,10 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         B::fused_kernels()
     }
 
+    fn fused_defaults() -> crate::FusedDefaults {
+        B::fused_defaults()
+    }
+
     fn fused_flash_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -1,14 +1,17 @@
 //! Fused CubeCL kernels for burn-bfpp: flash attention, fused linear + bias + GELU and fused
 //! linear cross-entropy, exposed to Burn through the backend-extension trait [`FusedOps`].
 //!
-//! * Every backend gets the ops through composed defaults ([`reference`]); Flex (the CPU
-//!   backend) uses them as they are.
+//! * Every backend gets the ops through composed defaults ([`reference`](mod@reference));
+//!   Flex (the CPU backend) uses them as they are.
 //! * The CubeCL backends (wgpu, CUDA) override the ops with kernels ([`cube`]).
 //! * `Autodiff<B>` registers the backward methods as gradients, so training uses them.
 //!
-//! Call the ops through the shape-checked functions in [`api`].
+//! Call the ops through the shape-checked functions [`flash_attention`], [`linear_gelu`] and
+//! [`linear_cross_entropy`].
 
-pub mod api;
+#![warn(missing_docs)]
+
+mod api;
 mod autodiff;
 pub mod cube;
 mod error;
@@ -18,7 +21,7 @@ pub mod reference;
 
 pub use api::{flash_attention, linear_cross_entropy, linear_gelu};
 pub use error::FusedError;
-pub use ops::FusedOps;
+pub use ops::{FusedDefaults, FusedOps};
 
 /// Which routine Burn's matmul runs on CubeCL backends in this build, for reports that
 /// depend on it: `"autotuned"` with the `autotune` feature (implied by `cuda`), else `"fixed"`

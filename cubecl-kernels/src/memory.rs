@@ -1,7 +1,7 @@
 //! Analytic memory of the fused ops against Burn's composed path: what each path allocates
 //! beyond its inputs, counted from the buffers it creates. The benchmarks print these beside
-//! the measured figures (`examples/kernel_bench.rs` measures the CubeCL memory pool), so the
-//! model is checked where a device can run the shape and quoted where none can.
+//! the measured figures (the workspace's `kernel_bench` example measures the CubeCL memory
+//! pool), so the model is checked where a device can run the shape and quoted where none can.
 
 /// Bytes the linear cross-entropy allocates over forward + backward beyond its inputs, as
 /// `(materialised, fused)`, for `tokens × hidden` states, a `hidden × vocab` head and

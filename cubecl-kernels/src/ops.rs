@@ -5,6 +5,35 @@ use burn::tensor::ops::{BoolTensor, FloatTensor, IntTensor};
 
 use crate::reference;
 
+/// Which fused ops a model takes by default on a backend ([`FusedOps::fused_defaults`]): each
+/// is on only where it runs as a kernel and was not measured slower than Burn's own path
+/// (docs/benchmarks.md). Memory alone does not turn an op on: a user short of memory forces
+/// every op with the model's own switch.
+///
+/// | backend | attention | MLP (linear + GELU) | head (linear cross-entropy) |
+/// |---|---|---|---|
+/// | CUDA | off: 0.30× Burn's materialised path, forward + backward on an H200 | on: 1.33× | on: not yet timed on a GPU; 6–16× less memory |
+/// | wgpu | off: 3.2× slower on lavapipe | off: 1.15× slower on lavapipe | off: 1.16× slower on lavapipe |
+/// | others (Flex) | off: no kernels | off | off |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedDefaults {
+    /// Flash attention.
+    pub attention: bool,
+    /// Linear + bias + GELU.
+    pub mlp: bool,
+    /// Linear projection to the vocabulary fused with the cross-entropy.
+    pub head: bool,
+}
+
+impl FusedDefaults {
+    /// No fused op.
+    pub const NONE: FusedDefaults = FusedDefaults {
+        attention: false,
+        mlp: false,
+        head: false,
+    };
+}
+
 /// Fused attention, MLP and language-model-head ops as a Burn backend extension.
 ///
 /// Every method has a default made of standard tensor ops ([`crate::reference`]), so any
@@ -13,7 +42,8 @@ use crate::reference;
 /// `Autodiff<B>` overrides the forwards to register the backward methods as gradients.
 ///
 /// The methods take primitives and assume validated shapes; call them through the checked
-/// functions of [`crate::api`].
+/// functions [`crate::flash_attention`], [`crate::linear_gelu`] and
+/// [`crate::linear_cross_entropy`].
 ///
 /// Layouts: `q` is `[batch, heads, seq_q, head_dim]`, `k` and `v` `[batch, heads, seq_k,
 /// head_dim]`, `key_padding_mask` `[batch, seq_k]` with `true` for padded (hidden) keys, the
@@ -22,10 +52,16 @@ use crate::reference;
 /// `targets` `[tokens]`.
 pub trait FusedOps: Backend {
     /// Whether this backend runs the ops as real fused kernels (the CubeCL backends and
-    /// `Autodiff` over them) rather than the composed defaults; models use it to pick the
-    /// fused path only where it saves memory and time.
+    /// `Autodiff` over them) rather than the composed defaults.
     fn fused_kernels() -> bool {
         false
+    }
+
+    /// The fused ops a model should take on this backend unless told otherwise: those run as
+    /// kernels here and not measured slower than Burn's own path of the same computation
+    /// (see [`FusedDefaults`]). None on backends without kernels.
+    fn fused_defaults() -> FusedDefaults {
+        FusedDefaults::NONE
     }
 
     /// Attention forward, `softmax(QKᵀ/√d)·V`, with queries and keys aligned at position 0

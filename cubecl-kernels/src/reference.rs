@@ -3,6 +3,10 @@
 //! These are the `FusedOps` defaults, so every backend (Flex, the CPU backend, in particular)
 //! gets correct results; they materialise the `[seq × seq]` scores and the `[tokens × vocab]`
 //! logits, which is exactly the memory the CubeCL kernels avoid.
+//!
+//! The forwards are public so that benchmarks can time Burn's composed path against the
+//! kernels; like the [`FusedOps`](crate::FusedOps) methods they take primitives and assume
+//! validated shapes. [`EMPTY_ROW_LSE`] is public because `FusedOps` promises it to callers.
 
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::Backend;
@@ -98,7 +102,7 @@ pub fn flash_attention<B: Backend>(
 /// Reference attention backward: `(dQ, dK, dV)` from the output gradient, by the standard
 /// identities `dV = PᵀdO`, `dS = P∘(dO·Vᵀ − rowsum(dO∘O))`, `dQ = dS·K/√d`, `dK = dSᵀ·Q/√d`.
 #[allow(clippy::too_many_arguments)]
-pub fn flash_attention_backward<B: Backend>(
+pub(crate) fn flash_attention_backward<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -131,7 +135,7 @@ pub fn linear_gelu<B: Backend>(
 }
 
 /// Reference backward of `gelu(x·W + b)`: `(dx, dW, db)`.
-pub fn linear_gelu_backward<B: Backend>(
+pub(crate) fn linear_gelu_backward<B: Backend>(
     x: FloatTensor<B>,
     w: FloatTensor<B>,
     b: FloatTensor<B>,
@@ -181,7 +185,7 @@ pub fn linear_cross_entropy<B: Backend>(
 }
 
 /// [`linear_cross_entropy`] and the per-token log-sum-exp of the logits (`[tokens]`).
-pub fn linear_cross_entropy_with_lse<B: Backend>(
+pub(crate) fn linear_cross_entropy_with_lse<B: Backend>(
     h: FloatTensor<B>,
     w: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -203,7 +207,7 @@ pub fn linear_cross_entropy_with_lse<B: Backend>(
 
 /// Reference backward of [`linear_cross_entropy`]: `(dh, dW)` scaled by the loss gradient
 /// `dloss` (a one-element tensor).
-pub fn linear_cross_entropy_backward<B: Backend>(
+pub(crate) fn linear_cross_entropy_backward<B: Backend>(
     h: FloatTensor<B>,
     w: FloatTensor<B>,
     targets: IntTensor<B>,

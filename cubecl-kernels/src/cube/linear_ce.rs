@@ -45,7 +45,7 @@ pub fn set_linear_ce_piece(rows: usize, cols: usize) {
 }
 
 /// The current `(rows, cols)` piece size of the chunked linear cross-entropy.
-pub fn linear_ce_piece() -> (usize, usize) {
+fn linear_ce_piece() -> (usize, usize) {
     (
         ROW_BLOCK.load(Ordering::SeqCst),
         VOCAB_CHUNK.load(Ordering::SeqCst),

@@ -52,7 +52,7 @@ pub fn set_f32_matmul(choice: F32Matmul) {
 }
 
 /// The current [`set_f32_matmul`] choice.
-pub fn f32_matmul() -> F32Matmul {
+fn f32_matmul() -> F32Matmul {
     match F32_MATMUL.load(Ordering::SeqCst) {
         1 => F32Matmul::Unit,
         2 => F32Matmul::Burn,

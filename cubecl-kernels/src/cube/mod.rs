@@ -3,10 +3,16 @@
 //! The kernels are portable (plain shared memory and registers, f32 accumulation) so that
 //! they run on every CubeCL runtime, Mesa's software Vulkan device included. The MLP and the
 //! linear cross-entropy run their matmuls through Burn's own (CubeCL's tiled matmul, which
-//! can pick tensor-core kernels on CUDA) and fuse everything around them. Attention has
-//! kernels of its own: a portable one (one thread per query row), and for f16/bf16 on devices
-//! with tensor cores tile kernels (forward and backward) whose matrix products are 16×16×16
-//! `cmma` fragments (see [`AttentionKernel`]).
+//! can pick tensor-core kernels on CUDA), except f32 products where that matmul would round
+//! f32 to TF32 (see [`F32Matmul`]), and fuse everything around them. Attention has kernels of
+//! its own: a portable one (one thread per query row), and for f16/bf16 on devices with
+//! tensor cores tile kernels (forward and backward) whose matrix products are 16×16×16 `cmma`
+//! fragments (see [`AttentionKernel`]).
+//!
+//! Training needs none of the functions here: the backends pick their kernels themselves.
+//! The `set_*` functions are process-wide switches for forcing a kernel, the launch counters
+//! ([`tiled_launches`], [`unit_matmul_launches`]) report what ran and the `attention_*`
+//! queries what would run, so that tests and benchmarks can check which kernel they measured.
 
 mod attention;
 mod cross_entropy;
@@ -39,8 +45,8 @@ use crate::FusedOps;
 /// that take a runtime type, such as [`attention_tile_shapes`].
 #[cfg(feature = "cuda")]
 pub use cubecl::cuda::CudaRuntime;
-pub use linear_ce::{linear_ce_piece, set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK};
-pub use matmul::{f32_matmul, set_f32_matmul, unit_matmul_launches, F32Matmul};
+pub use linear_ce::{set_linear_ce_piece, DEFAULT_ROW_BLOCK, DEFAULT_VOCAB_CHUNK};
+pub use matmul::{set_f32_matmul, unit_matmul_launches, F32Matmul};
 
 static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
 
@@ -162,7 +168,7 @@ pub fn set_attention_tiles(shape: Option<TileShape>) {
 }
 
 /// The current [`set_attention_tiles`] choice.
-pub fn attention_tiles() -> Option<TileShape> {
+pub(crate) fn attention_tiles() -> Option<TileShape> {
     match ATTENTION_TILES.load(Ordering::SeqCst) {
         0 => None,
         code => Some(TileShape {
@@ -285,6 +291,20 @@ where
 {
     fn fused_kernels() -> bool {
         true
+    }
+
+    fn fused_defaults() -> crate::FusedDefaults {
+        // Measured per runtime (the table on `FusedDefaults`): on CUDA the MLP and the head;
+        // on wgpu (measured on lavapipe only) none.
+        #[cfg(feature = "cuda")]
+        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+            return crate::FusedDefaults {
+                attention: false,
+                mlp: true,
+                head: true,
+            };
+        }
+        crate::FusedDefaults::NONE
     }
 
     fn fused_flash_attention(

@@ -6,12 +6,12 @@
 //! header that is missing) fails only there. GPU time is scarce, so this module does the
 //! same two steps ahead of time: [`cuda_sources`] generates every kernel variant the
 //! launchers would pick on a [`CudaTarget`] — the tile kernels with their tensor-core
-//! fragments where [`AttentionKernel::Auto`](super::AttentionKernel::Auto) uses them, the
-//! portable ones, the MLP epilogue and the cross-entropy kernels — with the same plans and
-//! the same CubeCL code generator as the CUDA runtime; [`compile_with_nvrtc`] compiles one to
-//! PTX for the target's architecture with the same options CubeCL passes, and
-//! [`assemble_with_nvjitlink`] assembles that PTX with ptxas, as the driver does when it loads
-//! it, and reports the registers and spills.
+//! fragments where [`AttentionKernel::Auto`] uses them, the portable ones, the MLP epilogue
+//! and the cross-entropy kernels — with the same plans and the same CubeCL code generator as
+//! the CUDA runtime; [`compile_with_nvrtc`] compiles one to PTX for the target's
+//! architecture with the same options CubeCL passes, and [`assemble_with_nvjitlink`]
+//! assembles that PTX with ptxas, as the driver does when it loads it, and reports the
+//! registers and spills.
 //!
 //! Defining a kernel needs a CubeCL client (the kernel builder reads its properties), so the
 //! functions take one of any runtime; everything that depends on the GPU (plane width,
@@ -52,10 +52,10 @@ impl CudaTarget {
     };
 
     /// CUDA's warp width, the plane width of every CUDA GPU.
-    pub const WARP: usize = 32;
+    const WARP: usize = 32;
 
     /// The tensor-core fragments CubeCL's CUDA runtime registers for this architecture.
-    pub fn fragments(&self) -> Vec<MmaConfig> {
+    fn fragments(&self) -> Vec<MmaConfig> {
         CudaWmmaCompiler::supported_wmma_combinations(&CudaArchitecture { version: self.arch })
     }
 
