@@ -1,18 +1,14 @@
-//! Train a Burn model with a looped breadth-first pipeline and ZeRO-3, in ~40 lines.
+//! Train a Burn model with a looped breadth-first pipeline and ZeRO-3, in ~30 lines.
 //!
 //! Run: `cargo run --release --example train_gpt`
 //!
 //! Ranks are threads of this process (pp × dp of them); the same program runs on every
 //! layout, and any layout with the same global batch gives the same losses.
 
-use std::time::Duration;
-
 use burn::backend::{Autodiff, Flex};
 use burn_bfpp::data::{BatchConfig, BatchLayout, Batcher, MarkovConfig, MarkovCorpus};
-use burn_bfpp::engine::{train_local, EngineConfig};
-use burn_bfpp::model::{GptConfig, ModelSplit};
-use burn_bfpp::optim::{AdamWSettings, LrSchedule};
-use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use burn_bfpp::engine::{LrConfig, TrainConfig, Trainer};
+use burn_bfpp::model::GptConfig;
 
 type B = Autodiff<Flex>;
 
@@ -25,55 +21,44 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let model = gpt.init_seeded::<B>(0, &Default::default())?;
 
-    // 2 pipeline ranks × 2 loops = 4 stages, 2 data-parallel replicas, 4 micro-batches of 4.
+    // 2 pipeline ranks × 2 loops = 4 stages, 2 data-parallel replicas, 4 micro-batches of 4;
+    // breadth-first and ZeRO-3 are the defaults.
+    let config = TrainConfig::new(30)
+        .with_pp(2)
+        .with_loops(2)
+        .with_dp(2)
+        .with_microbatches(4)
+        .with_lr(LrConfig::WarmupCosine {
+            peak: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 5,
+        })
+        .with_max_grad_norm(1.0);
+
+    // Samples depend only on (step, replica, micro-batch), never on the layout.
     let layout = BatchLayout {
         dp: 2,
         microbatches: 4,
         micro_batch_size: 4,
     };
-    let cfg = EngineConfig {
-        pp: 2,
-        loops: 2,
-        dp: layout.dp,
-        microbatches: layout.microbatches,
-        bf_microbatches: None,
-        schedule: ScheduleKind::BreadthFirst,
-        placement: Placement::Looping,
-        zero: ZeroLevel::Zero3,
-        buffers: 2,
-        recompute: false,
-        split: ModelSplit::Even,
-        adamw: AdamWSettings::default(),
-        lr: LrSchedule::warmup_cosine(3e-3, 3e-4, 5, 30),
-        max_grad_norm: 1.0,
-        comm_timeout: Duration::from_secs(300),
-        overlap_collectives: true,
-        fault: None,
-        on_nonfinite: Default::default(),
-        precision: Default::default(),
-        loss_scaling: Default::default(),
-    };
-
-    // Samples depend only on (step, replica, micro-batch), never on the layout.
     let corpus = MarkovCorpus::new(MarkovConfig::default())?;
-    let global_batch = layout.dp * layout.microbatches * layout.micro_batch_size;
-    let batcher = Batcher::new(&corpus, BatchConfig::new(gpt.seq_len, global_batch, 0))?;
-    let batch = |step: usize, dp_index, mb| {
-        batcher
-            .micro_batch::<B>(
-                (step - 1) as u64,
-                &layout,
-                dp_index,
-                mb,
-                &Default::default(),
-            )
-            .expect("the layout was checked when the batcher was built")
+    let batcher = Batcher::new(
+        &corpus,
+        BatchConfig::new(gpt.seq_len, layout.global_batch(), 0),
+    )?;
+    let data = |step: usize, dp_index, mb| {
+        batcher.micro_batch::<B>(
+            (step - 1) as u64,
+            &layout,
+            dp_index,
+            mb,
+            &Default::default(),
+        )
     };
 
-    let shape = [layout.micro_batch_size, gpt.seq_len, gpt.hidden];
-    let outcome = train_local(&model, &cfg, 30, shape, batch, |r| {
-        println!("step {:>3}  loss {:.4}  lr {:.2e}", r.step, r.loss, r.lr);
-    })?;
+    let outcome = Trainer::new(config)
+        .on_step(|r| println!("step {:>3}  loss {:.4}  lr {:.2e}", r.step, r.loss, r.lr))
+        .fit(model, data)?;
     println!(
         "trained in {:.1} s; peak parameter bytes per rank: {:?}",
         outcome.elapsed.as_secs_f64(),

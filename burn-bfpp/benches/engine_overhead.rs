@@ -15,12 +15,11 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_bfpp::engine::{train_local, EngineConfig};
-use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
-use burn_bfpp::optim::{AdamWSettings, LrSchedule};
-use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use burn_bfpp::engine::{infallible, LrConfig, TrainConfig, Trainer};
+use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, Targets};
+use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use criterion::{criterion_group, Criterion, SamplingMode};
 
 type B = Autodiff<Flex>;
@@ -62,37 +61,20 @@ fn model() -> Gpt<B> {
 }
 
 fn engine_run(model: &Gpt<B>) -> Vec<f64> {
-    let cfg = EngineConfig {
-        pp: 1,
-        loops: 1,
-        dp: 1,
-        microbatches: M,
-        bf_microbatches: None,
-        schedule: ScheduleKind::BreadthFirst,
-        placement: Placement::Looping,
-        zero: ZeroLevel::Zero0,
-        buffers: 2,
-        recompute: false,
-        split: ModelSplit::Even,
-        adamw: AdamWSettings::default(),
-        lr: LrSchedule::constant(1e-3),
-        max_grad_norm: 0.0,
-        comm_timeout: Duration::from_secs(60),
-        overlap_collectives: true,
-        fault: None,
-        on_nonfinite: Default::default(),
-        precision: Default::default(),
-        loss_scaling: Default::default(),
-    };
-    let shape = [MBS, gpt().seq_len, gpt().hidden];
-    train_local(model, &cfg, STEPS, shape, |s, _, m| batch(s, m), |_| {})
+    let cfg = TrainConfig::new(STEPS)
+        .with_microbatches(M)
+        .with_schedule(ScheduleKind::BreadthFirst)
+        .with_zero(ZeroLevel::Zero0)
+        .with_lr(LrConfig::Constant(1e-3));
+    Trainer::new(cfg)
+        .fit(model.clone(), infallible(|s, _, m| batch(s, m)))
         .expect("engine run")
         .losses
 }
 
 fn plain_run(model: &Gpt<B>) -> Vec<f64> {
     let mut model = model.clone();
-    let mut optim = AdamWSettings::default().to_burn().init::<B, Gpt<B>>();
+    let mut optim = AdamWConfig::new().init::<B, Gpt<B>>();
     let ce = CrossEntropyLossConfig::new().init(&Default::default());
     let mut losses = Vec::new();
     for step in 1..=STEPS {

@@ -6,15 +6,16 @@
 mod common;
 
 use burn_bfpp::engine::Precision;
-use burn_bfpp::engine::{train_local, EngineConfig, TrainOutcome};
+use burn_bfpp::engine::{infallible, TrainConfig, TrainOutcome, Trainer};
 use burn_bfpp::model::Gpt;
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
 
-fn run(cfg: &EngineConfig, steps: usize) -> TrainOutcome<Gpt<B>> {
-    let g = gpt_config();
-    let shape = [MBS, g.seq_len, g.hidden];
-    train_local(&model(), cfg, steps, shape, batch_any_m, |_| {}).expect("training runs")
+fn run(cfg: &TrainConfig, steps: usize) -> TrainOutcome<Gpt<B>> {
+    Trainer::new(cfg.clone())
+        .stop_after(steps)
+        .fit(model(), infallible(batch_any_m))
+        .expect("training runs")
 }
 
 /// [`batch`] for any micro-batch index (the tests below run more than `M`).

@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use burn::module::Module;
-use burn_bfpp::engine::{train_local, EngineConfig};
+use burn_bfpp::engine::{infallible, Fault, FaultKind, TrainConfig, Trainer};
 use burn_bfpp::model::{FusedMode, GptConfig, ModelSplit, PipelineModel};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
@@ -19,7 +19,6 @@ use common::*;
 /// Run every layout of `kind` and compare with the reference; report all failures at once.
 fn check_family(kind: ScheduleKind, loops: &[usize], bf: Option<usize>) {
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let mut failures = Vec::new();
     let mut runs = 0;
     for dp in [1, 2] {
@@ -34,7 +33,7 @@ fn check_family(kind: ScheduleKind, loops: &[usize], bf: Option<usize>) {
                 ] {
                     let mut cfg = config(kind, pp, v, dp, zero);
                     cfg.bf_microbatches = bf;
-                    let outcome = train_local(&base, &cfg, STEPS, activation, batch, |_| {})
+                    let outcome = train(&base, &cfg)
                         .unwrap_or_else(|e| panic!("{kind} pp={pp} v={v} dp={dp} {zero:?}: {e}"));
                     runs += 1;
                     let loss_err = max_loss_err(&outcome.losses, &want_losses);
@@ -87,9 +86,8 @@ fn hybrid_matches_single_device() {
 fn the_comparison_sees_a_wrong_step() {
     // Negative control: one step fewer than the reference must fail the tolerance.
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 1, ZeroLevel::Zero3);
-    let outcome = train_local(&base, &cfg, STEPS - 1, activation, batch, |_| {}).expect("runs");
+    let outcome = train_for(&base, &cfg, STEPS - 1).expect("runs");
     let (_, want) = reference(1);
     assert!(max_param_err(&params(&outcome.model), &want) > 1e-3);
 }
@@ -115,7 +113,6 @@ fn fused_ops_match_single_device() {
     };
     let written_out = base.clone().with_fused(FusedMode::Off).expect("valid");
     let fused = base.with_fused(FusedMode::On).expect("head dim 16 fits");
-    let activation = [MBS, wide.seq_len, wide.hidden];
     for dp in [1, 2] {
         let (want_losses, want_params) = reference_of(fused.clone(), dp);
         let (plain_losses, plain_params) = reference_of(written_out.clone(), dp);
@@ -131,8 +128,7 @@ fn fused_ops_match_single_device() {
             (ScheduleKind::Interleaved, ZeroLevel::Zero1),
         ] {
             let cfg = config(kind, 2, 2, dp, zero);
-            let outcome =
-                train_local(&fused, &cfg, STEPS, activation, batch, |_| {}).expect("runs");
+            let outcome = train(&fused, &cfg).expect("runs");
             let param_err = max_param_err(&params(&outcome.model), &want_params);
             let loss_err = max_loss_err(&outcome.losses, &want_losses);
             assert!(
@@ -146,15 +142,13 @@ fn fused_ops_match_single_device() {
 #[test]
 fn recomputation_matches_single_device() {
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     for dp in [1, 2] {
         let (want_losses, want_params) = reference(dp);
         for kind in [ScheduleKind::BreadthFirst, ScheduleKind::Interleaved] {
             for zero in [ZeroLevel::Zero0, ZeroLevel::Zero3] {
                 let mut cfg = config(kind, 2, 2, dp, zero);
                 cfg.recompute = true;
-                let outcome =
-                    train_local(&base, &cfg, STEPS, activation, batch, |_| {}).expect("runs");
+                let outcome = train(&base, &cfg).expect("runs");
                 let param_err = max_param_err(&params(&outcome.model), &want_params);
                 let loss_err = max_loss_err(&outcome.losses, &want_losses);
                 assert!(
@@ -169,13 +163,12 @@ fn recomputation_matches_single_device() {
 #[test]
 fn every_step_is_reported_once_with_its_loss() {
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let seen = std::sync::Mutex::new(Vec::new());
     let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
-    let outcome = train_local(&base, &cfg, STEPS, activation, batch, |r| {
-        seen.lock().expect("not poisoned").push((r.step, r.loss));
-    })
-    .expect("runs");
+    let outcome = Trainer::new(cfg)
+        .on_step(|r| seen.lock().expect("not poisoned").push((r.step, r.loss)))
+        .fit(base, infallible(batch))
+        .expect("runs");
     let seen = seen.into_inner().expect("not poisoned");
     let want: Vec<(usize, f64)> = (1..=STEPS).zip(outcome.losses.iter().copied()).collect();
     assert_eq!(seen, want);
@@ -183,20 +176,21 @@ fn every_step_is_reported_once_with_its_loss() {
 
 fn fault_run(panic: bool) -> (String, Duration) {
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
-    cfg.comm_timeout = Duration::from_secs(30);
-    cfg.fault = Some(burn_bfpp::engine::Fault {
+    cfg.comm_timeout_secs = 30.0;
+    let fault = Fault {
         rank: 3,
         step: 2,
         kind: if panic {
-            burn_bfpp::engine::FaultKind::Panic
+            FaultKind::Panic
         } else {
-            burn_bfpp::engine::FaultKind::Error
+            FaultKind::Error
         },
-    });
+    };
     let start = std::time::Instant::now();
-    let err = train_local(&base, &cfg, STEPS, activation, batch, |_| {})
+    let err = Trainer::new(cfg)
+        .inject_fault(fault)
+        .fit(base, infallible(batch))
         .expect_err("an injected fault must fail the run");
     (err.to_string(), start.elapsed())
 }
@@ -224,12 +218,7 @@ fn a_panicking_rank_stops_every_rank_and_is_named() {
 #[test]
 fn bad_layouts_are_refused_before_any_work() {
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
-    let run = |cfg: EngineConfig| {
-        train_local(&base, &cfg, STEPS, activation, batch, |_| {})
-            .expect_err("must be refused")
-            .to_string()
-    };
+    let run = |cfg: TrainConfig| train(&base, &cfg).expect_err("must be refused").to_string();
     // 4 × 4 = 16 stages for 8 layers.
     let msg = run(config(
         ScheduleKind::BreadthFirst,
@@ -255,12 +244,9 @@ fn zero3_holds_fewer_parameter_bytes_than_zero1() {
     // One pipeline rank with 4 stages and two data-parallel replicas: ZeRO-1 keeps every stage
     // gathered (plus its shards); ZeRO-3 keeps at most two gathered (two buffers) plus shards.
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let peak = |zero| {
         let cfg = config(ScheduleKind::BreadthFirst, 1, 4, 2, zero);
-        train_local(&base, &cfg, 1, activation, batch, |_| {})
-            .expect("runs")
-            .peak_param_bytes
+        train_for(&base, &cfg, 1).expect("runs").peak_param_bytes
     };
     let stages = base
         .stages(&burn_bfpp::model::split_model(&base, 4, &ModelSplit::Even).expect("splits"))

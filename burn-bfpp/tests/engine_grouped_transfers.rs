@@ -15,7 +15,7 @@ use burn_bfpp::comm::{
     CommBytes, CommConfig, CommError, Communicator, Group, LocalComm, Pending, RankGrid, ReduceOp,
     ThreadRank, World,
 };
-use burn_bfpp::engine::{train_local, train_local_with_comms, Checkpointing};
+use burn_bfpp::engine::{infallible, Trainer};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
 
@@ -128,9 +128,8 @@ impl Communicator<Inner> for Grouping {
 fn grouped_transfers_train_bit_for_bit_like_single_ones() {
     for kind in [ScheduleKind::BreadthFirst, ScheduleKind::Interleaved] {
         let cfg = config(kind, 2, 2, 2, ZeroLevel::Zero3);
-        let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
-        let single = train_local(&model(), &cfg, STEPS, activation, batch, |_| {})
-            .unwrap_or_else(|e| panic!("{kind:?}, one at a time: {e}"));
+        let single =
+            train(&model(), &cfg).unwrap_or_else(|e| panic!("{kind:?}, one at a time: {e}"));
         let groups = Arc::new(Mutex::new(Vec::new()));
         let grid = RankGrid::new(2, 2).expect("grid");
         let comms: Vec<Grouping> =
@@ -141,17 +140,10 @@ fn grouped_transfers_train_bit_for_bit_like_single_ones() {
                     groups: Arc::clone(&groups),
                 })
                 .collect();
-        let grouped = train_local_with_comms(
-            &model(),
-            &cfg,
-            comms,
-            STEPS,
-            activation,
-            batch,
-            |_| {},
-            Checkpointing::default(),
-        )
-        .unwrap_or_else(|e| panic!("{kind:?}, grouped: {e}"));
+        let grouped = Trainer::new(cfg.clone())
+            .with_comms(comms)
+            .fit(model(), infallible(batch))
+            .unwrap_or_else(|e| panic!("{kind:?}, grouped: {e}"));
         assert_eq!(grouped.losses, single.losses, "{kind:?}: losses");
         assert_eq!(
             params(&grouped.model),

@@ -5,33 +5,15 @@
 
 mod common;
 
-use std::time::Duration;
-
-use burn_bfpp::comm::{CommConfig, LocalComm, RankGrid};
-use burn_bfpp::engine::{train_local_with_comms, Checkpointing, TimedEvent, TrainOutcome};
+use burn_bfpp::engine::TrainOutcome;
 use burn_bfpp::model::Gpt;
+use burn_bfpp::schedule::TimedEvent;
 use burn_bfpp::schedule::{ActionKind, ScheduleKind, ZeroLevel};
 use common::*;
 
-fn train(zero: ZeroLevel, overlap: bool) -> TrainOutcome<Gpt<B>> {
-    let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, zero);
-    let comm = CommConfig {
-        overlap_collectives: overlap,
-        ..CommConfig::with_timeout(Duration::from_secs(60))
-    };
-    let comms = LocalComm::create(RankGrid::new(2, 2).expect("grid"), comm);
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
-    train_local_with_comms(
-        &model(),
-        &cfg,
-        comms,
-        STEPS,
-        activation,
-        batch,
-        |_| {},
-        Checkpointing::default(),
-    )
-    .unwrap_or_else(|e| panic!("{zero:?}, overlap {overlap}: {e}"))
+fn train_overlapping(zero: ZeroLevel, overlap: bool) -> TrainOutcome<Gpt<B>> {
+    let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, zero).with_overlap_collectives(overlap);
+    train(&model(), &cfg).unwrap_or_else(|e| panic!("{zero:?}, overlap {overlap}: {e}"))
 }
 
 /// The collective events of one step of one rank whose action ran twice (start, then wait).
@@ -49,8 +31,8 @@ fn waited(events: &[TimedEvent], step: usize) -> Vec<TimedEvent> {
 fn overlapped_collectives_train_bit_for_bit_like_waiting_ones_and_like_one_device() {
     let (want_losses, want_params) = reference(2);
     for zero in [ZeroLevel::Zero1, ZeroLevel::Zero3] {
-        let overlapped = train(zero, true);
-        let waiting = train(zero, false);
+        let overlapped = train_overlapping(zero, true);
+        let waiting = train_overlapping(zero, false);
         assert_eq!(overlapped.losses, waiting.losses, "{zero:?}: losses");
         assert_eq!(
             params(&overlapped.model),

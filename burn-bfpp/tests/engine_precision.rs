@@ -21,7 +21,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{DType, Tensor};
-use burn_bfpp::engine::{train_local, LossScaling, Precision};
+use burn_bfpp::engine::{LossScaling, Precision};
 use burn_bfpp::model::{Gpt, Inputs, Targets};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
@@ -87,7 +87,7 @@ fn gradients_params(master: &Gpt<B>, sums: &HashMap<ParamId, Vec<f32>>) -> Gradi
 /// Plain-Burn mixed-precision training on one device: losses and final fp32 parameters.
 fn reference(dtype: DType, loss_scale: f32) -> (Vec<f64>, Vec<Vec<f32>>) {
     let mut master = model();
-    let mut optim = adamw().to_burn().init::<B, Gpt<B>>();
+    let mut optim = adamw().init::<B, Gpt<B>>();
     let ce = CrossEntropyLossConfig::new().init(&Default::default());
     let mut losses = Vec::new();
     let n = (DP * M) as f32;
@@ -119,7 +119,7 @@ fn reference(dtype: DType, loss_scale: f32) -> (Vec<f64>, Vec<Vec<f32>>) {
         }
         losses.push(loss_sum / n as f64);
         let grads = gradients_params(&master, &sums);
-        master = optim.step(lr().lr(step), master, grads);
+        master = optim.step(lr_at(step), master, grads);
     }
     (losses, params(&master))
 }
@@ -132,7 +132,7 @@ fn check(precision: Precision, loss_tol: f64, param_tol: f64) {
 
 /// `cfg` run in `precision` against the reference.
 fn check_layout(
-    mut cfg: burn_bfpp::engine::EngineConfig,
+    mut cfg: burn_bfpp::engine::TrainConfig,
     precision: Precision,
     loss_tol: f64,
     param_tol: f64,
@@ -141,9 +141,7 @@ fn check_layout(
     // A scale whose gradients fit f16 from the first step (2^16, the default, overflows on
     // this model's first steps; the overflow test covers that path).
     cfg.loss_scaling.initial_scale = 1024.0;
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
-    let outcome = train_local(&model(), &cfg, STEPS, activation, batch, |_| {})
-        .unwrap_or_else(|e| panic!("{precision}: {e}"));
+    let outcome = train(&model(), &cfg).unwrap_or_else(|e| panic!("{precision}: {e}"));
     assert!(
         outcome.skipped_steps.is_empty(),
         "{precision}: no step overflows"
@@ -226,9 +224,9 @@ fn f16_overflow_skips_the_step_halves_the_scale_and_training_goes_on() {
         growth_interval: 1000,
     };
     let steps = 7;
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
+    cfg.steps = steps;
     let base = model();
-    let outcome = train_local(&base, &cfg, steps, activation, batch, |_| {}).expect("f16 run");
+    let outcome = train(&base, &cfg).expect("f16 run");
     let skipped = outcome.skipped_steps.clone();
     println!("skipped {skipped:?}, final scale {}", outcome.loss_scale);
     assert!(
@@ -270,8 +268,7 @@ fn f16_scale_doubles_after_the_growth_interval() {
         initial_scale: 1024.0,
         growth_interval: 1,
     };
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
-    let outcome = train_local(&model(), &cfg, STEPS, activation, batch, |_| {}).expect("f16 run");
+    let outcome = train(&model(), &cfg).expect("f16 run");
     assert!(outcome.skipped_steps.is_empty());
     assert_eq!(
         outcome.loss_scale,
@@ -285,8 +282,7 @@ fn bad_loss_scaling_is_refused_at_start_up() {
     let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, DP, ZeroLevel::Zero3);
     cfg.precision = Precision::F16;
     cfg.loss_scaling.growth_interval = 0;
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
-    let err = train_local(&model(), &cfg, STEPS, activation, batch, |_| {})
+    let err = train(&model(), &cfg)
         .expect_err("growth interval 0")
         .to_string();
     assert!(err.contains("growth interval"), "{err}");
@@ -296,11 +292,10 @@ fn bad_loss_scaling_is_refused_at_start_up() {
 /// holds fewer parameter bytes than fp32 (half for the gathered copies).
 #[test]
 fn bf16_gathered_weights_take_fewer_bytes() {
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let peak = |precision| {
         let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, DP, ZeroLevel::Zero3);
         cfg.precision = precision;
-        let outcome = train_local(&model(), &cfg, 1, activation, batch, |_| {}).expect("run");
+        let outcome = train_for(&model(), &cfg, 1).expect("run");
         outcome
             .peak_param_bytes
             .iter()

@@ -7,15 +7,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use burn_bfpp::engine::{
-    train_local, train_local_with, CheckpointSink, Checkpointing, EngineError, Fault, FaultKind,
-    NonFinitePolicy, RankState, SeenOn,
+    infallible, CheckpointSink, Checkpointing, EngineError, Fault, FaultKind, NonFinitePolicy,
+    RankState, SeenOn, Trainer,
 };
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
-
-fn activation() -> [usize; 3] {
-    [MBS, gpt_config().seq_len, gpt_config().hidden]
-}
 
 /// Keeps every rank's saved state in memory.
 #[derive(Default)]
@@ -43,15 +39,15 @@ fn a_skipped_step_leaves_weights_and_optimizer_state_untouched_on_every_rank() {
     // ZeRO-0 with two replicas: the norm's data-parallel sum counts replica 0 only.
     for zero in [ZeroLevel::Zero0, ZeroLevel::Zero3] {
         let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, zero);
-        let clean = train_local(&base, &cfg, 1, activation(), batch, |_| {}).expect("runs");
+        let clean = train_for(&base, &cfg, 1).expect("runs");
 
         // World rank 2 (pipeline rank 0 of replica 1) holds no last stage: only its
         // gradients are poisoned, and the data-parallel reduction spreads them.
-        cfg.fault = Some(Fault {
+        let fault = Fault {
             rank: 2,
             step: 2,
             kind: FaultKind::NonFinite,
-        });
+        };
         cfg.on_nonfinite = NonFinitePolicy::Skip;
         let reported = Mutex::new(Vec::new());
         let sink = MemorySink::default();
@@ -60,16 +56,13 @@ fn a_skipped_step_leaves_weights_and_optimizer_state_untouched_on_every_rank() {
             sink: Some(&sink),
             ..Checkpointing::default()
         };
-        let skipped = train_local_with(
-            &base,
-            &cfg,
-            2,
-            activation(),
-            batch,
-            |r| reported.lock().expect("lock").push((r.step, r.skipped)),
-            saving,
-        )
-        .expect("a skipped step does not stop the run");
+        let skipped = Trainer::new(cfg)
+            .stop_after(2)
+            .inject_fault(fault)
+            .on_step(|r| reported.lock().expect("lock").push((r.step, r.skipped)))
+            .checkpointing(saving)
+            .fit(base.clone(), infallible(batch))
+            .expect("a skipped step does not stop the run");
         assert_eq!(skipped.skipped_steps, vec![2], "{zero:?}");
         assert_eq!(
             reported.into_inner().expect("lock"),
@@ -99,19 +92,20 @@ fn a_skipped_step_leaves_weights_and_optimizer_state_untouched_on_every_rank() {
 fn a_non_finite_loss_stops_every_rank_naming_the_step_and_the_rank() {
     let base = model();
     let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero1);
-    cfg.comm_timeout = Duration::from_secs(30);
+    cfg.comm_timeout_secs = 30.0;
     // World rank 3 holds the last stage (3) of replica 1: its losses become NaN.
-    cfg.fault = Some(Fault {
+    let fault = Fault {
         rank: 3,
         step: 2,
         kind: FaultKind::NonFinite,
-    });
+    };
     let steps_seen = Mutex::new(Vec::new());
     let start = Instant::now();
-    let err = train_local(&base, &cfg, STEPS, activation(), batch, |r| {
-        steps_seen.lock().expect("lock").push(r.step)
-    })
-    .expect_err("the default policy stops");
+    let err = Trainer::new(cfg)
+        .inject_fault(fault)
+        .on_step(|r| steps_seen.lock().expect("lock").push(r.step))
+        .fit(base, infallible(batch))
+        .expect_err("the default policy stops");
     assert!(
         start.elapsed() < Duration::from_secs(10),
         "took {:?}: some rank waited for the timeout",
@@ -139,15 +133,17 @@ fn a_non_finite_loss_stops_every_rank_naming_the_step_and_the_rank() {
 fn a_rank_slower_than_the_timeout_is_named_by_the_ranks_that_give_up() {
     let base = model();
     let mut cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
-    cfg.comm_timeout = Duration::from_millis(500);
+    cfg.comm_timeout_secs = 0.5;
     let sleep = Duration::from_secs(2);
-    cfg.fault = Some(Fault {
+    let fault = Fault {
         rank: 1,
         step: 2,
         kind: FaultKind::Sleep(sleep),
-    });
+    };
     let start = Instant::now();
-    let err = train_local(&base, &cfg, STEPS, activation(), batch, |_| {})
+    let err = Trainer::new(cfg)
+        .inject_fault(fault)
+        .fit(base, infallible(batch))
         .expect_err("a stalled rank stops the run");
     let took = start.elapsed();
     // Every rank stops once the sleeper wakes (its next call fails at once).
@@ -162,42 +158,28 @@ fn a_rank_slower_than_the_timeout_is_named_by_the_ranks_that_give_up() {
 }
 
 /// Communicators made by the caller (the path `NcclComm` takes) train exactly like the ones
-/// `train_local` makes; communicators of another grid are refused with the layout named.
+/// the default thread world makes; communicators of another grid are refused with the layout
+/// named.
 #[test]
-fn caller_made_communicators_train_like_train_local_and_must_match_the_grid() {
+fn caller_made_communicators_train_like_the_default_world_and_must_match_the_grid() {
     use burn_bfpp::comm::{CommConfig, LocalComm, RankGrid};
-    use burn_bfpp::engine::train_local_with_comms;
 
     let base = model();
-    let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3);
-    let expected = train_local(&base, &cfg, 2, activation(), batch, |_| {}).expect("runs");
+    let cfg = config(ScheduleKind::BreadthFirst, 2, 2, 2, ZeroLevel::Zero3).with_steps(2);
+    let expected = train(&base, &cfg).expect("runs");
     let config = CommConfig::with_timeout(Duration::from_secs(30));
     let comms = LocalComm::create(RankGrid::new(2, 2).expect("grid"), config);
-    let got = train_local_with_comms(
-        &base,
-        &cfg,
-        comms,
-        2,
-        activation(),
-        batch,
-        |_| {},
-        Checkpointing::default(),
-    )
-    .expect("runs");
+    let got = Trainer::new(cfg.clone())
+        .with_comms(comms)
+        .fit(base.clone(), infallible(batch))
+        .expect("runs");
     assert_eq!(got.losses, expected.losses);
     assert_eq!(params(&got.model), params(&expected.model));
 
     let wrong = LocalComm::create(RankGrid::new(4, 1).expect("grid"), config);
-    let refused = train_local_with_comms(
-        &base,
-        &cfg,
-        wrong,
-        2,
-        activation(),
-        batch,
-        |_| {},
-        Checkpointing::default(),
-    );
+    let refused = Trainer::new(cfg)
+        .with_comms(wrong)
+        .fit(base, infallible(batch));
     let Err(err) = refused else {
         panic!("a 4 × 1 world for a 2 × 2 layout must be refused");
     };

@@ -8,8 +8,8 @@
 //! when it started in the run (`CostTable::start`). Each process computes on one core
 //! (`RAYON_NUM_THREADS=1`), as a GPU rank computes on its own device.
 //!
-//! Ranks as threads of one process would not do: they share Burn 0.21's autodiff lock, so
-//! their computes never overlap. The test starts `mpirun` on this test binary, filtered to
+//! Ranks as threads of one process would not do: they would share one process's cores and
+//! thread pool, which stretches each other's actions. The test starts `mpirun` on this test binary, filtered to
 //! the ignored test [`bubble_rank_process`]; rank 0 writes the figures to a file.
 #![cfg(feature = "mpi")]
 
@@ -23,10 +23,9 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::comm::{CommConfig, MpiComm, RankGrid};
-use burn_bfpp::engine::{train_processes, EngineConfig, StepProfile};
-use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
-use burn_bfpp::optim::{AdamWSettings, LrSchedule};
-use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use burn_bfpp::engine::{infallible, LrConfig, StepProfile, TrainConfig, Trainer};
+use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, Targets};
+use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use burn_bfpp::sim::{simulate_costed, CostTable, Dtype, Execution, SimConfig};
 
 type B = Autodiff<Flex>;
@@ -62,29 +61,15 @@ fn batch(step: usize, dp_index: usize, microbatch: usize) -> MicroBatch<B> {
     }
 }
 
-fn config() -> EngineConfig {
-    EngineConfig {
-        pp: 2,
-        loops: 2,
-        dp: 1,
-        microbatches: M,
-        bf_microbatches: None,
-        schedule: ScheduleKind::BreadthFirst,
-        placement: Placement::Looping,
-        zero: ZeroLevel::Zero0,
-        buffers: 2,
-        recompute: false,
-        split: ModelSplit::Even,
-        adamw: AdamWSettings::default(),
-        lr: LrSchedule::constant(1e-3),
-        max_grad_norm: 0.0,
-        comm_timeout: Duration::from_secs(120),
-        overlap_collectives: true,
-        fault: None,
-        on_nonfinite: Default::default(),
-        precision: Default::default(),
-        loss_scaling: Default::default(),
-    }
+fn config() -> TrainConfig {
+    TrainConfig::new(STEPS)
+        .with_pp(2)
+        .with_loops(2)
+        .with_microbatches(M)
+        .with_schedule(ScheduleKind::BreadthFirst)
+        .with_zero(ZeroLevel::Zero0)
+        .with_lr(LrConfig::Constant(1e-3))
+        .with_comm_timeout_secs(120.0)
 }
 
 /// One rank; only meaningful when started by the test below.
@@ -97,7 +82,7 @@ fn bubble_rank_process() {
     let comm = MpiComm::<<B as AutodiffBackend>::InnerBackend>::init(
         RankGrid::new(cfg.pp, cfg.dp).expect("grid"),
         Default::default(),
-        CommConfig::with_timeout(cfg.comm_timeout),
+        CommConfig::with_timeout(Duration::from_secs_f64(cfg.comm_timeout_secs)),
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let model: Gpt<B> = {
@@ -105,10 +90,10 @@ fn bubble_rank_process() {
             .init_seeded::<B>(11, &Default::default())
             .expect("valid config")
     };
-    let shape = [MBS, gpt().seq_len, gpt().hidden];
-    let Some(outcome) =
-        train_processes::<B, _, _, _, _>(&comm, &model, &cfg, STEPS, shape, batch, |_| {})
-            .unwrap_or_else(|e| panic!("{e}"))
+    let Some(outcome) = Trainer::new(cfg.clone())
+        .in_process(&comm)
+        .fit(model, infallible(batch))
+        .unwrap_or_else(|e| panic!("{e}"))
     else {
         return;
     };

@@ -2,7 +2,7 @@
 //! the host, collectives started and finished later (compute and another communicator's call
 //! in between), and pipeline transfers between GPUs (peer copies) and on one GPU (handoffs).
 //! Needs an NVIDIA GPU and NCCL, so it is ignored by default;
-//! `scripts/gpu-run.sh` runs it and trains with it end to end (`gpu_run --comm nccl`). The
+//! `scripts/gpu-run.sh` runs it and trains with it end to end (`bfpp train --comm nccl`). The
 //! CPU tests of the same logic are `comm::tests_nccl_checks` (the call agreement before each
 //! NCCL call, which groups can be communicators), `comm::launched` (the bookkeeping of calls
 //! in flight), `comm::tests_pending` and `LocalComm`'s collective tests (the values every

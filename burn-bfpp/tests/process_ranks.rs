@@ -23,7 +23,7 @@ use burn_bfpp::comm::{
     agree_by_all_gather, setup_group, CommConfig, CommOp, Communicator, Group, ProcessComm,
     RankGrid, ReduceOp, Transport, NCCL_ID_BYTES,
 };
-use burn_bfpp::engine::{train_local, train_processes, EngineConfig, Fault};
+use burn_bfpp::engine::{infallible, Fault, FaultKind, TrainConfig, Trainer};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::bounded::{output_text, outputs_within, LAUNCH_DEADLINE};
 use common::*;
@@ -41,7 +41,7 @@ const OUT_ENV: &str = "BFPP_TEST_RANKS_OUT";
 /// `rank=R,step=S`: the fault the rank processes inject (the fault test).
 const FAULT_ENV: &str = "BFPP_TEST_RANKS_FAULT";
 
-fn ranks_config(kind: ScheduleKind, zero: ZeroLevel) -> EngineConfig {
+fn ranks_config(kind: ScheduleKind, zero: ZeroLevel) -> TrainConfig {
     config(kind, 2, 2, 2, zero)
 }
 
@@ -78,7 +78,7 @@ fn rank_process() {
         Fault {
             rank: nums[0],
             step: nums[1],
-            kind: burn_bfpp::engine::FaultKind::Error,
+            kind: FaultKind::Error,
         }
     });
     let grid = RankGrid::new(2, 2).expect("grid");
@@ -92,14 +92,15 @@ fn rank_process() {
 /// Trains every case on this process's rank; rank 0 writes the results to `out`.
 fn run_cases<T: Transport>(comm: &ProcessComm<Inner, T>, fault: Option<Fault>, out: &str) {
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     let mut lines = Vec::new();
     for (kind, zero) in CASES {
-        let mut cfg = ranks_config(kind, zero);
-        cfg.fault = fault;
-        let outcome =
-            train_processes::<B, _, _, _, _>(comm, &base, &cfg, STEPS, activation, batch, |_| {})
-                .unwrap_or_else(|e| panic!("{e}"));
+        let mut trainer = Trainer::new(ranks_config(kind, zero)).in_process(comm);
+        if let Some(fault) = fault {
+            trainer = trainer.inject_fault(fault);
+        }
+        let outcome = trainer
+            .fit(base.clone(), infallible(batch))
+            .unwrap_or_else(|e| panic!("{e}"));
         if let Some(o) = outcome {
             let bytes: Vec<CommBytes> = o.last_step.iter().map(|c| c.comm_bytes).collect();
             lines.push(encode(&o.losses, &params(&o.model), &bytes));
@@ -228,7 +229,6 @@ fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
 
     let (want_losses, want_params) = reference(2);
     let base = model();
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
     for ((kind, zero), line) in CASES.into_iter().zip(&lines) {
         let (losses, flat, bytes) = decode(line);
         assert_eq!(
@@ -254,15 +254,7 @@ fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
             "{kind} {zero:?} over {name}: loss err {loss_err:.2e}, param err {param_err:.2e}"
         );
         // The same layout with ranks as threads: bitwise the same.
-        let local = train_local(
-            &base,
-            &ranks_config(kind, zero),
-            STEPS,
-            activation,
-            batch,
-            |_| {},
-        )
-        .expect("in-process run");
+        let local = train(&base, &ranks_config(kind, zero)).expect("in-process run");
         let local_flat: Vec<f32> = params(&local.model).into_iter().flatten().collect();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(

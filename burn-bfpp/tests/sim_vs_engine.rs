@@ -2,17 +2,12 @@
 //! lowered programs: peak parameter bytes per rank, and a measured step's durations replayed
 //! by the simulator.
 
-use std::time::Duration;
-
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_bfpp::engine::{train_local, EngineConfig, StepProfile, TrainOutcome};
-use burn_bfpp::model::{
-    split_model, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel, Targets,
-};
-use burn_bfpp::optim::{AdamWSettings, LrSchedule};
-use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
+use burn_bfpp::engine::{infallible, StepProfile, TrainConfig, TrainOutcome, Trainer};
+use burn_bfpp::model::{split_model, Gpt, GptConfig, Inputs, MicroBatch, PipelineModel, Targets};
+use burn_bfpp::schedule::ZeroLevel;
 use burn_bfpp::sim::{simulate_costed, CostTable, Dtype, SimConfig};
 
 type B = Autodiff<Flex>;
@@ -52,39 +47,25 @@ fn batch(step: usize, dp_index: usize, microbatch: usize) -> MicroBatch<B> {
     }
 }
 
-fn config(dp: usize, zero: ZeroLevel) -> EngineConfig {
-    EngineConfig {
-        pp: 2,
-        loops: 2,
-        dp,
-        microbatches: M,
-        bf_microbatches: None,
-        schedule: ScheduleKind::BreadthFirst,
-        placement: Placement::Looping,
-        zero,
-        buffers: 2,
-        recompute: false,
-        split: ModelSplit::Even,
-        adamw: AdamWSettings::default(),
-        lr: LrSchedule::constant(1e-3),
-        max_grad_norm: 0.0,
-        comm_timeout: Duration::from_secs(60),
-        overlap_collectives: true,
-        fault: None,
-        on_nonfinite: Default::default(),
-        precision: Default::default(),
-        loss_scaling: Default::default(),
-    }
+fn config(dp: usize, zero: ZeroLevel, steps: usize) -> TrainConfig {
+    TrainConfig::new(steps)
+        .with_pp(2)
+        .with_loops(2)
+        .with_dp(dp)
+        .with_microbatches(M)
+        .with_zero(zero)
+        .with_comm_timeout_secs(60.0)
 }
 
-fn run(cfg: &EngineConfig, steps: usize) -> TrainOutcome<Gpt<B>> {
-    let shape = [MBS, gpt().seq_len, gpt().hidden];
-    train_local(&model(), cfg, steps, shape, batch, |_| {}).expect("training runs")
+fn run(cfg: &TrainConfig) -> TrainOutcome<Gpt<B>> {
+    Trainer::new(cfg.clone())
+        .fit(model(), infallible(batch))
+        .expect("training runs")
 }
 
 /// The simulator configured like `cfg` with the real stages' parameter counts, f32 weights,
 /// and the unit model's (irrelevant here) durations.
-fn sim_table(cfg: &EngineConfig) -> (SimConfig, CostTable) {
+fn sim_table(cfg: &TrainConfig) -> (SimConfig, CostTable) {
     let program = cfg.program().expect("valid layout");
     let mut sim = SimConfig::unit();
     sim.dp = cfg.dp;
@@ -116,8 +97,8 @@ fn peak_parameter_bytes_match_the_simulator() {
         ZeroLevel::Zero2,
         ZeroLevel::Zero3,
     ] {
-        let cfg = config(2, zero);
-        let outcome = run(&cfg, 1);
+        let cfg = config(2, zero, 1);
+        let outcome = run(&cfg);
         let (sim, table) = sim_table(&cfg);
         let program = cfg.program().expect("valid layout");
         let predicted = simulate_costed(&program, &sim, &table, None).expect("simulates");
@@ -148,14 +129,13 @@ fn peak_parameter_bytes_match_the_simulator() {
 }
 
 /// A measured step's own action durations, replayed by the simulator, give back the step's
-/// span: the simulator's dependency rules are the engine's. The in-process engine serialises
-/// autodiff across rank threads (see `burn_bfpp::model::autodiff`), so a single-rank run is
-/// the case where measured and replayed timing must agree without modelling that lock.
+/// span: the simulator's dependency rules are the engine's. Rank threads of one process share
+/// this machine's few cores, which stretches each other's actions, so a single-rank run is the
+/// case where measured and replayed timing must agree without modelling that contention.
 #[test]
 fn replayed_durations_reproduce_a_single_rank_step() {
-    let mut cfg = config(1, ZeroLevel::Zero0);
-    cfg.pp = 1;
-    let outcome = run(&cfg, 3);
+    let cfg = config(1, ZeroLevel::Zero0, 3).with_pp(1);
+    let outcome = run(&cfg);
     let profile = StepProfile::measure(&outcome.timelines, cfg.pp, 3).expect("step 3 ran");
     let (sim, mut table) = sim_table(&cfg);
     table.optimizer = vec![0.0; 1];

@@ -24,7 +24,7 @@ pub use store::{
     list_checkpoints, load, resolve, step_dir_name, DataAt, DirSink, Loaded, CRASH_ENV,
 };
 
-use crate::engine::{EngineConfig, RankState};
+use crate::engine::{RankState, TrainConfig};
 use crate::model::{ModelError, PipelineModel};
 use crate::schedule::PipelineSchedule;
 
@@ -88,7 +88,7 @@ pub enum CheckpointError {
 /// The manifest fields fixed for a whole run (the step-dependent ones are filled at save).
 #[allow(clippy::too_many_arguments)]
 pub fn manifest_template(
-    cfg: &EngineConfig,
+    cfg: &TrainConfig,
     program: &PipelineSchedule,
     stage_numels: &[usize],
     model: serde_json::Value,
@@ -128,7 +128,7 @@ pub fn resume_states<B, M>(
     loaded: &Loaded,
     model: &M,
     model_json: &serde_json::Value,
-    cfg: &EngineConfig,
+    cfg: &TrainConfig,
     program: &PipelineSchedule,
 ) -> Result<(Vec<RankState>, GlobalState), CheckpointError>
 where

@@ -18,7 +18,7 @@ use super::format::{Manifest, ParamEntry, MANIFEST};
 use super::store::Loaded;
 use super::CheckpointError;
 use crate::comm::RankGrid;
-use crate::engine::{EngineConfig, RankState, ScalerState, ShardLayout, StageState};
+use crate::engine::{RankState, ScalerState, ShardLayout, StageState, TrainConfig};
 use crate::model::{param_shapes, split_model, PipelineModel};
 use crate::schedule::PipelineSchedule;
 
@@ -109,7 +109,7 @@ pub fn shard_for(
     global: &GlobalState,
     stage_numels: &[usize],
     stage_ranks: &[usize],
-    cfg: &EngineConfig,
+    cfg: &TrainConfig,
 ) -> Result<Vec<RankState>, CheckpointError> {
     let total: usize = stage_numels.iter().sum();
     if total != global.params.len() {
@@ -166,7 +166,7 @@ pub fn shard_for(
 /// Parameter values per stage of `model` split for `program` under `cfg`.
 pub fn stage_numels<B, M>(
     model: &M,
-    cfg: &EngineConfig,
+    cfg: &TrainConfig,
     program: &PipelineSchedule,
 ) -> Result<Vec<usize>, CheckpointError>
 where

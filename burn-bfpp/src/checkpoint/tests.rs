@@ -2,16 +2,16 @@
 //! refusals name the file, and a crash between two shard writes keeps the previous one.
 
 use std::path::Path;
-use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
 
 use super::*;
-use crate::engine::{train_local_with, Checkpointing, EngineConfig, TrainOutcome};
-use crate::model::{flatten_params, Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, Targets};
-use crate::optim::{AdamWSettings, LrSchedule};
-use crate::schedule::{Placement, ScheduleKind, ZeroLevel};
+use burn::optim::AdamWConfig;
+
+use crate::engine::{infallible, Checkpointing, LrConfig, TrainConfig, TrainOutcome, Trainer};
+use crate::model::{flatten_params, Gpt, GptConfig, Inputs, MicroBatch, Targets};
+use crate::schedule::ZeroLevel;
 
 type B = Autodiff<Flex>;
 
@@ -69,32 +69,21 @@ fn batch(m: usize) -> impl Fn(usize, usize, usize) -> MicroBatch<B> + Sync {
     }
 }
 
-fn config(pp: usize, loops: usize, dp: usize, zero: ZeroLevel) -> EngineConfig {
-    EngineConfig {
-        pp,
-        loops,
-        dp,
-        microbatches: GLOBAL_MBS / dp,
-        bf_microbatches: None,
-        schedule: ScheduleKind::BreadthFirst,
-        placement: Placement::Looping,
-        zero,
-        buffers: 2,
-        recompute: false,
-        split: ModelSplit::Even,
-        adamw: AdamWSettings {
-            weight_decay: 0.1,
-            ..AdamWSettings::default()
-        },
-        lr: LrSchedule::warmup_cosine(2e-2, 1e-3, 1, STEPS),
-        max_grad_norm: 1.0,
-        comm_timeout: Duration::from_secs(60),
-        overlap_collectives: true,
-        fault: None,
-        on_nonfinite: Default::default(),
-        precision: Default::default(),
-        loss_scaling: Default::default(),
-    }
+fn config(pp: usize, loops: usize, dp: usize, zero: ZeroLevel) -> TrainConfig {
+    TrainConfig::new(STEPS)
+        .with_pp(pp)
+        .with_loops(loops)
+        .with_dp(dp)
+        .with_microbatches(GLOBAL_MBS / dp)
+        .with_zero(zero)
+        .with_adamw(AdamWConfig::new().with_weight_decay(0.1))
+        .with_lr(LrConfig::WarmupCosine {
+            peak: 2e-2,
+            min_lr: 1e-3,
+            warmup_steps: 1,
+        })
+        .with_max_grad_norm(1.0)
+        .with_comm_timeout_secs(60.0)
 }
 
 /// A fresh, empty directory under the system's temporary directory, removed when the guard
@@ -106,7 +95,7 @@ fn scratch(name: &str) -> tempfile::TempDir {
         .expect("temp dir")
 }
 
-fn sink_for(dir: &Path, cfg: &EngineConfig, base: &Gpt<B>, keep: usize) -> DirSink<'static> {
+fn sink_for(dir: &Path, cfg: &TrainConfig, base: &Gpt<B>, keep: usize) -> DirSink<'static> {
     let program = cfg.program().expect("valid layout");
     let numels = stage_numels(base, cfg, &program).expect("split");
     let template = manifest_template(
@@ -115,7 +104,7 @@ fn sink_for(dir: &Path, cfg: &EngineConfig, base: &Gpt<B>, keep: usize) -> DirSi
         &numels,
         model_json(),
         param_entries(base),
-        serde_json::to_value(cfg.lr).expect("serialisable"),
+        serde_json::to_value(&cfg.lr).expect("serialisable"),
         7,
     );
     DirSink::new(dir, template, None, keep).expect("sink")
@@ -123,13 +112,15 @@ fn sink_for(dir: &Path, cfg: &EngineConfig, base: &Gpt<B>, keep: usize) -> DirSi
 
 fn run(
     base: &Gpt<B>,
-    cfg: &EngineConfig,
+    cfg: &TrainConfig,
     steps: usize,
     ck: Checkpointing<'_>,
 ) -> Result<TrainOutcome<Gpt<B>>, crate::engine::EngineError> {
-    let activation = [MBS, gpt_config().seq_len, gpt_config().hidden];
-    let data = batch(cfg.microbatches);
-    train_local_with(base, cfg, steps, activation, data, |_| {}, ck)
+    let data = infallible(batch(cfg.microbatches));
+    Trainer::new(cfg.clone())
+        .stop_after(steps)
+        .checkpointing(ck)
+        .fit(base.clone(), data)
 }
 
 fn flat(model: &Gpt<B>) -> Vec<f32> {
@@ -149,7 +140,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Resume `loaded` under `cfg` and train up to `STEPS`.
-fn resume(loaded: &Loaded, base: &Gpt<B>, cfg: &EngineConfig) -> TrainOutcome<Gpt<B>> {
+fn resume(loaded: &Loaded, base: &Gpt<B>, cfg: &TrainConfig) -> TrainOutcome<Gpt<B>> {
     let program = cfg.program().expect("valid layout");
     let (states, _) =
         resume_states(loaded, base, &model_json(), cfg, &program).expect("reshardable");

@@ -18,6 +18,7 @@ mod batch;
 mod error;
 mod markov;
 mod rng;
+#[cfg(feature = "engine")]
 mod tensor;
 mod text;
 mod tokenizer;
@@ -30,6 +31,7 @@ pub use error::DataError;
 pub use markov::{
     MarkovChain, MarkovConfig, MarkovCorpus, STATIONARY_MAX_ITERATIONS, STATIONARY_TOLERANCE,
 };
+#[cfg(feature = "engine")]
 pub use tensor::to_micro_batch;
 pub use text::TextCorpus;
 pub use tokenizer::{ByteTokenizer, VOCAB_SIZE};

@@ -44,6 +44,18 @@ pub enum EngineError {
         /// Micro-batch.
         microbatch: usize,
     },
+    /// The data source failed, or gave a micro-batch of another shape than the first one.
+    #[error("rank {rank}: the data of step {step}, micro-batch {microbatch}: {reason}")]
+    Data {
+        /// World rank that asked.
+        rank: usize,
+        /// Optimizer step (1-based).
+        step: usize,
+        /// Micro-batch index of the replica.
+        microbatch: usize,
+        /// What the data source reported, or what was wrong with its micro-batch.
+        reason: String,
+    },
     /// An injected fault (`BFPP_FAULT_INJECT`), for testing failure handling.
     #[error("injected fault on rank {rank} at step {step}")]
     InjectedFault {

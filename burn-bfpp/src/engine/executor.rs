@@ -13,13 +13,14 @@ use burn::tensor::{DType, Tensor};
 use super::nonfinite::NonFinitePolicy;
 use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
 use super::stage::{in_dtype, pad, LocalStage};
-use super::{EngineError, StepCounts, TimedEvent};
+use super::{EngineError, StepCounts};
 use crate::comm::{Communicator, Group};
 use crate::host_read;
 use crate::model::{
     flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward, release_params,
-    stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput,
+    stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput, Targets,
 };
+use crate::schedule::TimedEvent;
 use crate::schedule::{Action, ActionKind, ZeroLevel};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -28,6 +29,11 @@ mod collectives;
 mod transfers;
 mod update;
 use collectives::InFlight;
+
+/// The micro-batches of the step being run: `(dp_index, microbatch)` → the micro-batch on the
+/// rank's device, or the data source's error naming the step, the rank and the micro-batch.
+pub(crate) type Batches<'a, B> =
+    dyn Fn(usize, usize) -> Result<MicroBatch<B>, EngineError> + Sync + 'a;
 
 /// A stage run: the module copy it used, its input leaf (if not the first stage), its output.
 type StageRun<B, S> = (S, Option<Tensor<B, 3>>, StageOutput<B>);
@@ -63,8 +69,8 @@ pub(crate) struct ExecutorSettings {
     pub(crate) num_stages: usize,
     /// Pipeline rank of every stage.
     pub(crate) stage_ranks: Vec<usize>,
-    /// Shape of every activation passed between stages.
-    pub(crate) activation_shape: [usize; 3],
+    /// Shape of the activation across every stage boundary `s → s + 1`, by `s`.
+    pub(crate) activation_shapes: Vec<[usize; 3]>,
     pub(crate) max_grad_norm: f64,
     /// What a step with a non-finite loss or gradient norm does.
     pub(crate) on_nonfinite: NonFinitePolicy,
@@ -72,6 +78,8 @@ pub(crate) struct ExecutorSettings {
     pub(crate) precision: Precision,
     /// Dynamic loss scaling (f16).
     pub(crate) loss_scaling: LossScaling,
+    /// Token targets must lie in `0..classes` (checked on the device); `None`: unchecked.
+    pub(crate) target_classes: Option<usize>,
 }
 
 /// What one optimizer step produced on a rank.
@@ -104,6 +112,9 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     /// once, at the end of the step, with everything else the host needs (see
     /// [`super::summary`]).
     loss_sum: Option<Tensor<Inner<B>, 1>>,
+    /// The step's first micro-batch with a token target outside `0..target_classes`, as
+    /// `microbatches − m` (0: none), kept on the device with the losses (last-stage ranks).
+    bad_targets: Option<Tensor<Inner<B>, 1>>,
     /// Recorded actions of the run: (step, action, start, end) in seconds since `epoch`.
     pub(crate) events: Vec<TimedEvent>,
     epoch: Instant,
@@ -150,6 +161,7 @@ where
             to_send_forward: HashMap::new(),
             to_send_backward: HashMap::new(),
             loss_sum: None,
+            bad_targets: None,
             events: Vec::new(),
             epoch,
             peak_param_bytes: 0,
@@ -208,9 +220,10 @@ where
         &mut self,
         step: usize,
         lr: f64,
-        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+        batch: &Batches<'_, B>,
     ) -> Result<StepOutcome, EngineError> {
         self.loss_sum = None;
+        self.bad_targets = None;
         let reads_before = host_read::counts();
         let bytes_before = self.comm.bytes_sent();
         let program = std::mem::take(&mut self.program);
@@ -221,6 +234,20 @@ where
         // The list's traffic; the step's table below is a few floats of control.
         let comm_bytes = self.comm.bytes_sent().since(bytes_before);
         let summary = self.step_summary()?;
+        if let Some(bad) = summary.bad_targets {
+            // Every rank read the same table: every rank stops here, before the update.
+            return Err(EngineError::Data {
+                rank: bad.rank,
+                step,
+                microbatch: bad.microbatch,
+                reason: format!(
+                    "a target token id is outside the {} classes of the model's head (0..{}); \
+                     fix the data, or give the model a larger vocabulary",
+                    self.settings.target_classes.unwrap_or(0),
+                    self.settings.target_classes.unwrap_or(0)
+                ),
+            });
+        }
         let skipped = self.optimizer_step(step, lr, &summary)?;
         let holds_loss = self.local(self.settings.num_stages - 1);
         let reads = host_read::counts().since(reads_before);
@@ -242,7 +269,7 @@ where
         &mut self,
         step: usize,
         list: &[Action],
-        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+        batch: &Batches<'_, B>,
     ) -> Result<(), EngineError> {
         let grouped = self.comm.groups_transfers();
         let mut at = 0;
@@ -260,11 +287,7 @@ where
         Ok(())
     }
 
-    fn run(
-        &mut self,
-        action: Action,
-        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
-    ) -> Result<(), EngineError> {
+    fn run(&mut self, action: Action, batch: &Batches<'_, B>) -> Result<(), EngineError> {
         let (s, m) = (action.stage, action.mb());
         match action.kind {
             ActionKind::Forward => self.forward(s, m, batch),
@@ -290,12 +313,7 @@ where
 
     /// Forward of micro-batch `m` through stage `s`; keeps what the backward needs and hands
     /// the output to the next stage (in memory if it is local, else queued for `SEND_F`).
-    fn forward(
-        &mut self,
-        s: usize,
-        m: usize,
-        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
-    ) -> Result<(), EngineError> {
+    fn forward(&mut self, s: usize, m: usize, batch: &Batches<'_, B>) -> Result<(), EngineError> {
         let value = if s == 0 {
             None
         } else {
@@ -361,10 +379,12 @@ where
         s: usize,
         m: usize,
         value: Option<Tensor<Inner<B>, 3>>,
-        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
+        batch: &Batches<'_, B>,
     ) -> Result<StageRun<B, S>, EngineError> {
         let last = s + 1 == self.settings.num_stages;
-        let data = (s == 0 || last).then(|| batch(self.dp_index, m));
+        let data = (s == 0 || last)
+            .then(|| batch(self.dp_index, m))
+            .transpose()?;
         // Ranks that are threads record their graphs concurrently; they never share an
         // autodiff node (see crate::model::autodiff).
         let compute = self.settings.precision.dtype();
@@ -382,28 +402,48 @@ where
                 })
             }
         };
-        let targets = if last {
-            data.as_ref().map(|d| &d.targets)
-        } else {
-            None
+        let targets = match (last, &data, self.settings.target_classes) {
+            (true, Some(d), Some(classes)) => Some(self.checked_targets(&d.targets, classes, m)),
+            (true, Some(d), None) => Some(d.targets.clone()),
+            _ => None,
         };
         // Fresh parameter leaves for every micro-batch keep each (stage, micro-batch) graph
         // self-contained: Burn 0.21 merges graphs that share leaves, and with ranks as
         // threads the merged graphs of different micro-batches were seen to lose gradient
         // contributions depending on the interleaving.
         let module = fresh_leaves(&self.stage_mut(s)?.module);
-        let output = module.forward(input, targets)?;
+        let output = module.forward(input, targets.as_ref())?;
         Ok((module, leaf, output))
+    }
+
+    /// `targets` with token ids clamped into `0..classes`, after noting on the device whether
+    /// any was outside (the step's table carries it; see [`super::summary`]).
+    fn checked_targets(&mut self, targets: &Targets<B>, classes: usize, m: usize) -> Targets<B> {
+        let Targets::Tokens(ids) = targets else {
+            return targets.clone();
+        };
+        let top = classes.saturating_sub(1) as i64;
+        let outside = ids
+            .clone()
+            .lower_elem(0)
+            .bool_or(ids.clone().greater_elem(top))
+            .any();
+        // microbatches − m for the first bad micro-batch: the largest such value, by `max`.
+        let mark = outside
+            .float()
+            .inner()
+            .mul_scalar((self.settings.microbatches - m) as f32);
+        let mark = in_dtype(mark, DType::F32);
+        self.bad_targets = Some(match self.bad_targets.take() {
+            Some(seen) => seen.max_pair(mark),
+            None => mark,
+        });
+        Targets::Tokens(ids.clone().clamp(0, top))
     }
 
     /// Backward of micro-batch `m` through stage `s`: accumulates the parameter gradients and
     /// hands the input gradient to the previous stage.
-    fn backward(
-        &mut self,
-        s: usize,
-        m: usize,
-        batch: &(dyn Fn(usize, usize) -> MicroBatch<B> + Sync),
-    ) -> Result<(), EngineError> {
+    fn backward(&mut self, s: usize, m: usize, batch: &Batches<'_, B>) -> Result<(), EngineError> {
         let saved = self.saved.remove(&(s, m)).ok_or(EngineError::Missing {
             what: "saved forward",
             stage: s,

@@ -1,12 +1,15 @@
-//! The training engine: pipelined, sharded data-parallel training of any [`PipelineModel`] on
-//! ranks that are threads of one process ([`LocalComm`]).
+//! The training engine: pipelined, sharded data-parallel training of any [`PipelineModel`].
 //!
-//! Every rank runs the same interpreter over its lowered action list (see
-//! [`crate::schedule`]): the schedule decides the order, the engine only carries it out. A
-//! rank holds its stages' modules, the shard of each stage's flat parameters it owns, and the
-//! AdamW state of that shard; gradients are reduced over the data-parallel group where the
-//! list says `REDUCE_GRAD`, and the update runs on the owned shards after the list ends.
+//! [`Trainer`] is the entry point: `Trainer::new(config).fit(model, data)` with a
+//! [`TrainConfig`] and a [`DataSource`]. Every rank runs the same interpreter over its
+//! lowered action list (see [`crate::schedule`]): the schedule decides the order, the engine
+//! only carries it out. A rank holds its stages' modules, the shard of each stage's flat
+//! parameters it owns, and the AdamW state of that shard; gradients are reduced over the
+//! data-parallel group where the list says `REDUCE_GRAD`, and the update runs on the owned
+//! shards after the list ends.
 
+mod config;
+mod data;
 mod error;
 mod executor;
 mod multiprocess;
@@ -18,6 +21,7 @@ mod shard;
 mod snapshot;
 mod stage;
 mod summary;
+mod trainer;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -26,40 +30,28 @@ use serde::{Deserialize, Serialize};
 
 use burn::tensor::backend::AutodiffBackend;
 
+pub use config::{LrConfig, TrainConfig};
+pub use data::{infallible, DataSource, DataSourceError, Infallible};
 pub use error::EngineError;
-pub use multiprocess::{train_processes, train_processes_with};
 pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
 pub use precision::{LossScaling, Precision, ScalerState};
 pub use profile::{collective_share, StepProfile};
-pub use rank::{stages_for_rank, train_rank, train_rank_with, RankOutcome, RankPlan};
 pub use shard::ShardLayout;
 pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};
+pub use trainer::{ProcessWorld, ThreadComms, Threads, ThreadsOn, Trainer};
+
+use rank::{train_rank_with, RankPlan};
+use trainer::Shapes;
 
 use crate::comm::{
-    run_ranks, CommBytes, CommConfig, CommError, Communicator, LocalComm, RankError, RankGrid,
-    ThreadRank,
+    run_ranks, CommBytes, CommConfig, CommError, Communicator, RankError, RankGrid, ThreadRank,
 };
-use crate::model::{
-    module_to_device, recombine, split_model, MicroBatch, ModelSplit, PipelineModel,
-};
-use crate::optim::{AdamWSettings, LrSchedule};
+use crate::model::{module_to_device, recombine, split_model, ModelSplit, PipelineModel};
+use crate::optim::AdamWSettings;
 use crate::schedule::{
-    lower_data_parallel, lower_p2p, validate, Action, DataParallelLowering, PipelineSchedule,
-    Placement, ScheduleKind, ScheduleSpec, ZeroLevel,
+    lower_data_parallel, lower_p2p, validate, DataParallelLowering, PipelineSchedule, Placement,
+    ScheduleKind, ScheduleSpec, TimedEvent, ZeroLevel,
 };
-
-/// One executed action, with wall-clock times in seconds since the run started.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TimedEvent {
-    /// Optimizer step (1-based).
-    pub step: usize,
-    /// The action.
-    pub action: Action,
-    /// Start, seconds since the run started.
-    pub start: f64,
-    /// End, seconds since the run started.
-    pub end: f64,
-}
 
 /// What one rank's step cost besides its compute: the host synchronisations it made and the
 /// bytes it sent. A [`TrainOutcome`] reports every rank's for the last step.
@@ -107,9 +99,14 @@ pub enum FaultKind {
     Abort,
 }
 
-/// The parallel layout and the optimization settings of a run.
+/// The engine's flat view of a [`TrainConfig`], checked, with the learning rate of every step
+/// computed and the fault to inject (tests).
 #[derive(Debug, Clone)]
-pub struct EngineConfig {
+pub(crate) struct EngineConfig {
+    /// Optimizer steps of the run (counting those before a resume).
+    pub steps: usize,
+    /// The last step to run now, when it is before `steps` ([`Trainer::stop_after`]).
+    pub stop_after: Option<usize>,
     /// Pipeline ranks P.
     pub pp: usize,
     /// Stages per pipeline rank V.
@@ -134,8 +131,8 @@ pub struct EngineConfig {
     pub split: ModelSplit,
     /// AdamW hyper-parameters (the learning rate comes from `lr`).
     pub adamw: AdamWSettings,
-    /// Learning rate per step.
-    pub lr: LrSchedule,
+    /// Learning rate of step `s` (1-based) at index `s − 1`.
+    pub lr: Vec<f64>,
     /// Global gradient-norm clipping threshold; 0 disables clipping.
     pub max_grad_norm: f64,
     /// Timeout of every blocking communication.
@@ -158,7 +155,7 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// The communicator settings of this run's ranks.
-    pub fn comm_config(&self) -> CommConfig {
+    pub(crate) fn comm_config(&self) -> CommConfig {
         CommConfig {
             overlap_collectives: self.overlap_collectives,
             ..CommConfig::with_timeout(self.comm_timeout)
@@ -166,7 +163,7 @@ impl EngineConfig {
     }
 
     /// The schedule this configuration asks for.
-    pub fn spec(&self) -> ScheduleSpec {
+    pub(crate) fn spec(&self) -> ScheduleSpec {
         ScheduleSpec {
             kind: self.schedule,
             pp: self.pp,
@@ -178,7 +175,7 @@ impl EngineConfig {
     }
 
     /// Generate, lower and validate the per-rank programs.
-    pub fn program(&self) -> Result<PipelineSchedule, EngineError> {
+    pub(crate) fn program(&self) -> Result<PipelineSchedule, EngineError> {
         if self.dp == 0 {
             return Err(EngineError::Config(
                 "dp must be at least 1 (data-parallel replicas); try --dp 1".into(),
@@ -242,154 +239,17 @@ pub struct TrainOutcome<M> {
 /// A rank's stages, waiting for its thread to take them.
 type RankSlot<S> = Mutex<Option<Vec<(usize, S)>>>;
 
-/// Train `model` for `steps` optimizer steps with ranks as threads of this process.
-///
-/// `batch(step, dp_index, microbatch)` returns a micro-batch; it must be a pure function of
-/// its arguments so every layout sees the same samples. `activation_shape` is the shape of
-/// the tensors passed between stages (`[micro-batch size, sequence, hidden]`). `on_step` is
-/// called after every step (progress bars, metrics files).
-pub fn train_local<B, M, F, P>(
-    model: &M,
-    cfg: &EngineConfig,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
-) -> Result<TrainOutcome<M>, EngineError>
-where
-    B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
-    M::Stage: Send,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport) + Sync,
-{
-    let fresh = Checkpointing::default();
-    train_local_with(model, cfg, steps, activation_shape, batch, on_step, fresh)
-}
-
-/// [`train_local`] that may resume from saved rank states and save checkpoints (see
-/// [`Checkpointing`]); `steps` counts total steps, including those before the resume.
-pub fn train_local_with<B, M, F, P>(
-    model: &M,
-    cfg: &EngineConfig,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
-    checkpointing: Checkpointing<'_>,
-) -> Result<TrainOutcome<M>, EngineError>
-where
-    B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
-    M::Stage: Send,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport) + Sync,
-{
-    // A bad layout is reported by `train_local_on`, which checks the schedule first.
-    let device = model.devices().into_iter().next().unwrap_or_default();
-    let devices = vec![device; cfg.pp.saturating_mul(cfg.dp)];
-    train_local_on(
-        model,
-        cfg,
-        devices,
-        steps,
-        activation_shape,
-        batch,
-        on_step,
-        checkpointing,
-    )
-}
-
-/// [`train_local_with`] with world rank `r` computing on `devices[r]` (one GPU per rank, or
-/// several ranks per GPU): each rank moves its stages and micro-batches to its device, and
-/// activations cross devices through [`LocalComm`] (host copies, not NCCL). The returned model
-/// is on the device of `model`. `devices` must hold `pp × dp` devices.
+/// Trains `model` with one thread per communicator of `comms` (the body of
+/// [`Trainer::fit`] for thread worlds).
 #[allow(clippy::too_many_arguments)]
-pub fn train_local_on<B, M, F, P>(
-    model: &M,
-    cfg: &EngineConfig,
-    devices: Vec<B::Device>,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
-    checkpointing: Checkpointing<'_>,
-) -> Result<TrainOutcome<M>, EngineError>
-where
-    B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
-    M::Stage: Send,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport) + Sync,
-{
-    // A bad layout is reported before anything about the rank grid.
-    let program = cfg.program()?;
-    let grid = RankGrid::new(cfg.pp, cfg.dp)?;
-    let comms: Vec<LocalComm<B::InnerBackend>> =
-        LocalComm::create_with_devices(grid, devices, cfg.comm_config())?;
-    train_world(
-        model,
-        cfg,
-        program,
-        comms,
-        steps,
-        activation_shape,
-        batch,
-        on_step,
-        checkpointing,
-    )
-}
-
-/// [`train_local_on`] over communicators the caller created, one per world rank of a
-/// `cfg.pp × cfg.dp` world of threads (any [`ThreadRank`] communicator: [`LocalComm`], or
-/// `NcclComm` with feature `cuda`, which runs the group collectives on NCCL). Each
-/// rank computes on its communicator's device; the returned model is on the device of
-/// `model`.
-#[allow(clippy::too_many_arguments)]
-pub fn train_local_with_comms<B, M, C, F, P>(
-    model: &M,
-    cfg: &EngineConfig,
-    comms: Vec<C>,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
-    checkpointing: Checkpointing<'_>,
-) -> Result<TrainOutcome<M>, EngineError>
-where
-    B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
-    M::Stage: Send,
-    C: ThreadRank + Communicator<B::InnerBackend>,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport) + Sync,
-{
-    let program = cfg.program()?;
-    train_world(
-        model,
-        cfg,
-        program,
-        comms,
-        steps,
-        activation_shape,
-        batch,
-        on_step,
-        checkpointing,
-    )
-}
-
-/// The body of the `train_local*` entry points, given the configuration's program (computed
-/// once by the caller).
-#[allow(clippy::too_many_arguments)]
-fn train_world<B, M, C, F, P>(
+pub(crate) fn train_world<B, M, C, D>(
     model: &M,
     cfg: &EngineConfig,
     program: PipelineSchedule,
     comms: Vec<C>,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
+    shapes: Shapes,
+    data: &D,
+    on_step: &(dyn Fn(&StepReport) + Sync),
     checkpointing: Checkpointing<'_>,
 ) -> Result<TrainOutcome<M>, EngineError>
 where
@@ -397,8 +257,7 @@ where
     M: PipelineModel<B> + Clone,
     M::Stage: Send,
     C: ThreadRank + Communicator<B::InnerBackend>,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport) + Sync,
+    D: DataSource<B>,
 {
     let grid = RankGrid::new(cfg.pp, cfg.dp)?;
     if comms.len() != grid.world_size() || comms.iter().any(|c| c.grid() != grid) {
@@ -443,8 +302,7 @@ where
     let plan = RankPlan {
         cfg,
         program: &program,
-        steps,
-        activation_shape,
+        shapes: &shapes,
         epoch,
     };
     let results = run_ranks(comms, |comm| {
@@ -453,7 +311,7 @@ where
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
             .unwrap_or_default();
-        train_rank_with(comm, &plan, stages, &batch, &on_step, checkpointing)
+        train_rank_with(comm, &plan, stages, data, on_step, checkpointing)
     })
     .map_err(|e| match e {
         RankError::Failed { error, .. } => error,

@@ -1,7 +1,7 @@
-//! Training with one rank per process over a [`ProcessRank`] communicator (MPI, TCP, or NCCL
-//! layered on either): this process runs
-//! its own rank with [`train_rank`], then the results are gathered to world rank 0, which
-//! assembles the same [`TrainOutcome`] as [`super::train_local`].
+//! Training with one rank per process over a [`ProcessRank`] communicator (MPI for CPU ranks,
+//! NCCL over the TCP control channel for GPU ranks): this process runs its own rank with
+//! [`train_rank`], then the results are gathered to world rank 0, which assembles the same
+//! [`TrainOutcome`] as the thread ranks of [`super::Trainer::fit`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -10,12 +10,15 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
+use super::data::DataSource;
 use super::rank::{stages_for_rank, train_rank_with, RankPlan};
 use super::snapshot::Checkpointing;
-use super::{EngineConfig, EngineError, StepCounts, StepReport, TimedEvent, TrainOutcome};
+use super::trainer::Shapes;
+use super::{EngineConfig, EngineError, StepCounts, StepReport, TrainOutcome};
 use crate::comm::{CommError, Group, ProcessRank};
-use crate::model::{flatten_params, load_flat, recombine, MicroBatch, PipelineModel};
-use crate::schedule::Action;
+use crate::model::{flatten_params, load_flat, recombine, PipelineModel};
+use crate::schedule::TimedEvent;
+use crate::schedule::{Action, PipelineSchedule};
 
 /// Point-to-point tags of the gathered stage parameters (`PARAM_TAG + stage`): far above the
 /// tags the executor uses for activations and gradients.
@@ -50,76 +53,43 @@ fn comm_err(e: CommError) -> EngineError {
     EngineError::Comm(e)
 }
 
-/// Trains this process's rank of a world of processes (MPI or TCP); returns the outcome on world rank
-/// 0 and `None` on the others.
+/// Trains this process's rank of a world of processes (the body of [`super::Trainer::fit`]
+/// for a process world); returns the outcome on world rank 0 and `None` on the others.
 ///
 /// Every process must call this with an identically initialised `model` and the same
 /// configuration (they cut their own stages from it, so no weights are sent at start-up).
 /// Timelines are measured from an instant every rank takes right after a world barrier.
-/// If this rank fails or panics, every other rank is told and fails naming it.
-pub fn train_processes<B, M, C, F, P>(
-    comm: &C,
-    model: &M,
-    cfg: &EngineConfig,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
-) -> Result<Option<TrainOutcome<M>>, EngineError>
-where
-    B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
-    C: ProcessRank<B::InnerBackend>,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport),
-{
-    let fresh = Checkpointing::default();
-    train_processes_with(
-        comm,
-        model,
-        cfg,
-        steps,
-        activation_shape,
-        batch,
-        on_step,
-        fresh,
-    )
-}
-
-/// [`train_processes`] that may resume from saved rank states and save checkpoints, like
-/// [`super::train_local_with`]; `steps` counts total steps, including those before the
-/// resume.
-///
-/// Every process passes the same `checkpointing`: `resume` holds the state of every world
-/// rank (this process restores its own), and the sink must write into a directory all
-/// processes share. Each process writes its own rank's files; world rank 0 commits (writes
-/// the manifest, prunes) only after every rank reported its files durably written.
+/// If this rank fails or panics, every other rank is told and fails naming it. With
+/// checkpointing, every process passes the same `checkpointing`: `resume` holds the state of
+/// every world rank (this process restores its own), and the sink must write into a
+/// directory all processes share. Each process writes its own rank's files; world rank 0
+/// commits (writes the manifest, prunes) only after every rank reported its files durably
+/// written.
 #[allow(clippy::too_many_arguments)]
-pub fn train_processes_with<B, M, C, F, P>(
+pub(crate) fn train_processes<B, M, C, D>(
     comm: &C,
     model: &M,
     cfg: &EngineConfig,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
+    program: PipelineSchedule,
+    shapes: Shapes,
+    data: &D,
+    on_step: &(dyn Fn(&StepReport) + Sync),
     checkpointing: Checkpointing<'_>,
 ) -> Result<Option<TrainOutcome<M>>, EngineError>
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
     C: ProcessRank<B::InnerBackend>,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport),
+    D: DataSource<B>,
 {
     let result = catch_unwind(AssertUnwindSafe(|| {
         run(
             comm,
             model,
             cfg,
-            steps,
-            activation_shape,
-            batch,
+            program,
+            &shapes,
+            data,
             on_step,
             checkpointing,
         )
@@ -147,24 +117,22 @@ where
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run<B, M, C, F, P>(
+fn run<B, M, C, D>(
     comm: &C,
     model: &M,
     cfg: &EngineConfig,
-    steps: usize,
-    activation_shape: [usize; 3],
-    batch: F,
-    on_step: P,
+    program: PipelineSchedule,
+    shapes: &Shapes,
+    data: &D,
+    on_step: &(dyn Fn(&StepReport) + Sync),
     checkpointing: Checkpointing<'_>,
 ) -> Result<Option<TrainOutcome<M>>, EngineError>
 where
     B: AutodiffBackend,
     M: PipelineModel<B> + Clone,
     C: ProcessRank<B::InnerBackend>,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport),
+    D: DataSource<B>,
 {
-    let program = cfg.program()?;
     let grid = comm.grid();
     let rank = comm.rank();
     let stages = stages_for_rank(model, cfg, &program, grid.pp_index(rank))?;
@@ -179,11 +147,10 @@ where
     let plan = RankPlan {
         cfg,
         program: &program,
-        steps,
-        activation_shape,
+        shapes,
         epoch,
     };
-    let outcome = train_rank_with(comm, &plan, stages, &batch, &on_step, checkpointing)?;
+    let outcome = train_rank_with(comm, &plan, stages, data, on_step, checkpointing)?;
     let elapsed = epoch.elapsed();
     // Every rank took the same skip decisions (they follow a world-wide reduction).
     let skipped_steps = outcome.skipped_steps.clone();

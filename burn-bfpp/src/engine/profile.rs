@@ -2,10 +2,9 @@
 //! of its actions in the form the simulator takes, so a measurement and a prediction from
 //! the same durations can be laid side by side.
 
-use super::TimedEvent;
 use std::collections::HashMap;
 
-use crate::schedule::{Action, ActionKind};
+use crate::schedule::{Action, ActionKind, TimedEvent};
 use crate::sim::ActionDurations;
 
 /// One optimizer step of a run, measured from its timelines.

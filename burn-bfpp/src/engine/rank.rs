@@ -1,58 +1,60 @@
 //! One rank's share of a run, independent of how ranks are started: threads of one process
-//! ([`super::train_local`]) or one process per rank over any other [`Communicator`].
+//! ([`super::Trainer::fit`]) or one process per rank over any other [`Communicator`].
 
 use std::time::Instant;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
+use super::data::DataSource;
 use super::executor::{ExecutorSettings, RankExecutor};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
 use super::stage::LocalStage;
-use super::{EngineConfig, EngineError, FaultKind, StepCounts, StepReport, TimedEvent};
+use super::trainer::Shapes;
+use super::{EngineConfig, EngineError, FaultKind, StepCounts, StepReport};
 use crate::comm::{Communicator, Group};
-use crate::model::{module_to_device, split_model, MicroBatch, PipelineModel, PipelineStage};
+use crate::model::{module_to_device, split_model, PipelineModel, PipelineStage};
 use crate::schedule::PipelineSchedule;
+use crate::schedule::TimedEvent;
 
 /// What every rank of a run shares besides its communicator, stages and data.
 #[derive(Debug, Clone, Copy)]
-pub struct RankPlan<'a> {
+pub(crate) struct RankPlan<'a> {
     /// Layout and optimization settings (the same on every rank).
-    pub cfg: &'a EngineConfig,
+    pub(crate) cfg: &'a EngineConfig,
     /// The lowered per-rank programs, from [`EngineConfig::program`].
-    pub program: &'a PipelineSchedule,
-    /// Optimizer steps to run.
-    pub steps: usize,
-    /// Shape of the tensors passed between stages (`[micro-batch size, sequence, hidden]`).
-    pub activation_shape: [usize; 3],
+    pub(crate) program: &'a PipelineSchedule,
+    /// The shapes of the data and of the activation across every stage boundary, from the
+    /// dry run.
+    pub(crate) shapes: &'a Shapes,
     /// Time zero of the recorded timeline.
-    pub epoch: Instant,
+    pub(crate) epoch: Instant,
 }
 
 /// What one rank produced.
 #[derive(Debug)]
-pub struct RankOutcome<S> {
+pub(crate) struct RankOutcome<S> {
     /// The step's mean loss over the global batch, on ranks that hold the last stage.
-    pub losses: Vec<Option<f64>>,
+    pub(crate) losses: Vec<Option<f64>>,
     /// The rank's stages, by global index, with their final (gathered) weights.
-    pub stages: Vec<(usize, S)>,
+    pub(crate) stages: Vec<(usize, S)>,
     /// Every action the rank ran.
-    pub events: Vec<TimedEvent>,
+    pub(crate) events: Vec<TimedEvent>,
     /// Highest bytes of parameter values the rank held.
-    pub peak_param_bytes: usize,
+    pub(crate) peak_param_bytes: usize,
     /// Steps whose update was skipped (non-finite loss or gradient norm); the same on every
     /// rank.
-    pub skipped_steps: Vec<usize>,
+    pub(crate) skipped_steps: Vec<usize>,
     /// The loss scale after the last step (1 unless f16); the same on every rank.
-    pub loss_scale: f64,
+    pub(crate) loss_scale: f64,
     /// The rank's host reads and bytes sent in its last step.
-    pub last_step: StepCounts,
+    pub(crate) last_step: StepCounts,
 }
 
 /// The stages pipeline rank `pp_index` holds under `program`, cut from `model`.
 ///
 /// Every process of a multi-process run calls this on an identically initialised model, so
 /// the stages agree without sending weights around.
-pub fn stages_for_rank<B, M>(
+pub(crate) fn stages_for_rank<B, M>(
     model: &M,
     cfg: &EngineConfig,
     program: &PipelineSchedule,
@@ -71,46 +73,24 @@ where
         .collect())
 }
 
-/// Run this rank's program for `plan.steps` optimizer steps over `comm`.
-///
-/// `stages` are the rank's stages (see [`stages_for_rank`]); `batch(step, dp_index,
-/// microbatch)` must be a pure function of its arguments; `on_step` is called on the rank
-/// that holds the last stage in replica 0 after every step.
-pub fn train_rank<B, S, C, F, P>(
+/// Runs this rank's program over `comm` from `checkpointing.start_step() + 1` to the run's
+/// last step, so the learning rate and the data continue where a saved run stopped; the
+/// returned losses are those of the steps that ran. `stages` are the rank's stages (see
+/// [`stages_for_rank`]); `on_step` is called on the rank that holds the last stage in replica
+/// 0 after every step.
+pub(crate) fn train_rank_with<B, S, C, D>(
     comm: &C,
     plan: &RankPlan<'_>,
     stages: Vec<(usize, S)>,
-    batch: F,
-    on_step: P,
-) -> Result<RankOutcome<S>, EngineError>
-where
-    B: AutodiffBackend,
-    S: PipelineStage<B>,
-    C: Communicator<B::InnerBackend>,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport),
-{
-    train_rank_with(comm, plan, stages, batch, on_step, Checkpointing::default())
-}
-
-/// [`train_rank`] that may start from a saved state and save its state after chosen steps
-/// (see [`Checkpointing`]). Steps run from `checkpointing.start_step() + 1` to `plan.steps`,
-/// so the learning-rate schedule and the data continue where the saved run stopped; the
-/// returned losses are those of the steps that ran.
-pub fn train_rank_with<B, S, C, F, P>(
-    comm: &C,
-    plan: &RankPlan<'_>,
-    stages: Vec<(usize, S)>,
-    batch: F,
-    on_step: P,
+    data: &D,
+    on_step: &(dyn Fn(&StepReport) + Sync),
     checkpointing: Checkpointing<'_>,
 ) -> Result<RankOutcome<S>, EngineError>
 where
     B: AutodiffBackend,
     S: PipelineStage<B>,
     C: Communicator<B::InnerBackend>,
-    F: Fn(usize, usize, usize) -> MicroBatch<B> + Sync,
-    P: Fn(&StepReport),
+    D: DataSource<B>,
 {
     let cfg = plan.cfg;
     let rank = comm.rank();
@@ -160,21 +140,24 @@ where
         microbatches: cfg.microbatches,
         num_stages: plan.program.num_stages(),
         stage_ranks: plan.program.stage_ranks.clone(),
-        activation_shape: plan.activation_shape,
+        activation_shapes: plan.shapes.activations.clone(),
         max_grad_norm: cfg.max_grad_norm,
         on_nonfinite: cfg.on_nonfinite,
         precision: cfg.precision,
         loss_scaling: cfg.loss_scaling,
+        target_classes: plan.shapes.target_classes,
     };
     let list = plan.program.ranks[pp_index].clone();
     let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch);
     if let Some(scaler) = checkpointing.resume.get(rank).and_then(|s| s.scaler) {
         exec.restore_scaler(scaler);
     }
-    let mut losses = Vec::with_capacity(plan.steps.saturating_sub(start));
+    // The run's length shapes the learning rate; a stop before its end only ends this call.
+    let steps = cfg.stop_after.map_or(cfg.steps, |stop| stop.min(cfg.steps));
+    let mut losses = Vec::with_capacity(steps.saturating_sub(start));
     let mut skipped_steps = Vec::new();
     let mut last_step = StepCounts::default();
-    for step in start + 1..=plan.steps {
+    for step in start + 1..=steps {
         let fault = cfg.fault.filter(|f| f.rank == rank && f.step == step);
         match fault.map(|f| f.kind) {
             Some(FaultKind::Panic) => panic!("injected panic on rank {rank} at step {step}"),
@@ -187,9 +170,21 @@ where
             Some(FaultKind::NonFinite) | None => {}
         }
         exec.poison = fault.is_some_and(|f| f.kind == FaultKind::NonFinite);
-        let lr = cfg.lr.lr(step);
-        let data = |dp_index: usize, mb: usize| batch(step, dp_index, mb).to_device(&device);
-        let outcome = exec.step(step, lr, &data)?;
+        let lr = cfg.lr.get(step - 1).copied().unwrap_or(0.0);
+        let batch = |dp_index: usize, microbatch: usize| {
+            let failed = |reason: String| EngineError::Data {
+                rank,
+                step,
+                microbatch,
+                reason,
+            };
+            let batch = data
+                .micro_batch(step, dp_index, microbatch)
+                .map_err(|e| failed(format!("the data source failed: {e}")))?;
+            plan.shapes.check(&batch).map_err(failed)?;
+            Ok(batch.to_device(&device))
+        };
+        let outcome = exec.step(step, lr, &batch)?;
         last_step = outcome.counts;
         if outcome.skipped {
             skipped_steps.push(step);
@@ -204,7 +199,7 @@ where
             });
         }
         losses.push(outcome.loss);
-        if checkpointing.due(step, plan.steps) {
+        if checkpointing.due(step, steps) {
             save_rank(comm, &exec, step, checkpointing)?;
         }
     }

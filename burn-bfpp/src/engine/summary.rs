@@ -9,11 +9,14 @@
 //! writes them into its own slots of one small fp32 table:
 //!
 //! ```text
-//! [ sq(replica 0, stage 0) … sq(0, S−1) | sq(1, 0) … | … sq(D−1, S−1) | loss(0) … loss(D−1) ]
+//! [ sq(replica 0, stage 0) … sq(0, S−1) | sq(1, 0) … | … sq(D−1, S−1) | loss(0) … loss(D−1)
+//!   | bad(0) … bad(D−1) ]
 //! ```
 //!
 //! `sq(r, s)` is the squared L2 norm of the reduced gradient that the rank of stage `s` in
-//! replica `r` owns, `loss(r)` the sum of replica `r`'s micro-batch losses. Every slot has
+//! replica `r` owns, `loss(r)` the sum of replica `r`'s micro-batch losses, `bad(r)` marks
+//! replica `r`'s first micro-batch `m` with a token target outside the model's classes as
+//! `M − m` (0: none; the largest mark is the first micro-batch). Every slot has
 //! exactly one writer and zeros elsewhere, so the table's sum over the pipeline group and
 //! then the data-parallel group is exact in any summation order (`x + 0 = x`), and every
 //! rank holds the same table afterwards: one read, the same decisions everywhere.
@@ -31,7 +34,7 @@ pub(crate) struct TableLayout {
 impl TableLayout {
     /// Slots in the table.
     pub(crate) fn len(self) -> usize {
-        self.dp * (self.stages + 1)
+        self.dp * (self.stages + 2)
     }
 
     /// The slot of the squared norm of stage `stage`'s owned gradient in replica `dp_index`.
@@ -43,6 +46,20 @@ impl TableLayout {
     pub(crate) fn loss_slot(self, dp_index: usize) -> usize {
         self.dp * self.stages + dp_index
     }
+
+    /// The slot of replica `dp_index`'s first micro-batch with an out-of-range target.
+    pub(crate) fn bad_target_slot(self, dp_index: usize) -> usize {
+        self.dp * (self.stages + 1) + dp_index
+    }
+}
+
+/// Where a token target outside the model's classes was seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BadTarget {
+    /// World rank of the last stage that saw it.
+    pub(crate) rank: usize,
+    /// Its micro-batch index in the replica.
+    pub(crate) microbatch: usize,
 }
 
 /// What every rank learns from the reduced table.
@@ -56,6 +73,8 @@ pub(crate) struct StepSummary {
     pub(crate) loss: f64,
     /// Where a loss or a gradient norm was not finite.
     pub(crate) report: NonFiniteReport,
+    /// The first micro-batch (lowest replica first) with a target outside the classes.
+    pub(crate) bad_targets: Option<BadTarget>,
 }
 
 impl StepSummary {
@@ -72,7 +91,7 @@ impl StepSummary {
     ) -> Result<Self, String> {
         if values.len() != layout.len() {
             return Err(format!(
-                "the step's table has {} values, expected {} (dp {} × (stages {} + 1))",
+                "the step's table has {} values, expected {} (dp {} × (stages {} + 2))",
                 values.len(),
                 layout.len(),
                 layout.dp,
@@ -108,10 +127,18 @@ impl StepSummary {
             }
             loss_sum += f64::from(loss);
         }
+        let bad_targets = (0..layout.dp).find_map(|dp_index| {
+            let mark = values[layout.bad_target_slot(dp_index)];
+            (mark >= 1.0).then(|| BadTarget {
+                rank: grid.rank_of(last_pp, dp_index),
+                microbatch: microbatches.saturating_sub(mark as usize),
+            })
+        });
         Ok(StepSummary {
             total_sq,
             loss: loss_sum / (layout.dp * microbatches).max(1) as f64,
             report,
+            bad_targets,
         })
     }
 }
@@ -142,6 +169,7 @@ mod tests {
         // (3 + 6) over 2 replicas × 3 micro-batches.
         assert_eq!(sharded.loss, 1.5);
         assert!(!sharded.report.any());
+        assert_eq!(sharded.bad_targets, None);
         // ZeRO-0: replica 1 holds the same gradient as replica 0; counting it would double.
         let replicated =
             StepSummary::decode(&values, layout, grid, &stage_ranks, true, 3).expect("decodable");
@@ -172,6 +200,26 @@ mod tests {
     }
 
     #[test]
+    fn the_first_bad_target_is_named_by_replica_then_micro_batch() {
+        let (grid, stage_ranks, layout) = setup();
+        let mut values = vec![0.0f32; layout.len()];
+        // 3 micro-batches per replica: replica 1's micro-batch 1 (mark 3 − 1 = 2) and
+        // replica 0's micro-batch 2 (mark 1); replica 0 is named first.
+        values[layout.bad_target_slot(1)] = 2.0;
+        values[layout.bad_target_slot(0)] = 1.0;
+        let summary =
+            StepSummary::decode(&values, layout, grid, &stage_ranks, false, 3).expect("decodable");
+        // Stage 3 is on pipeline rank 1: world rank 1 in replica 0.
+        assert_eq!(
+            summary.bad_targets,
+            Some(BadTarget {
+                rank: 1,
+                microbatch: 2
+            })
+        );
+    }
+
+    #[test]
     fn norms_that_would_overflow_f32_sum_in_f64_and_short_tables_are_refused() {
         let (grid, stage_ranks, layout) = setup();
         let mut values = vec![0.0f32; layout.len()];
@@ -182,6 +230,6 @@ mod tests {
         assert_eq!(summary.total_sq, 2.0 * f64::from(f32::MAX));
         assert!(!summary.report.any());
         let wrong = StepSummary::decode(&values[1..], layout, grid, &stage_ranks, false, 1);
-        assert!(wrong.expect_err("short table").contains("expected 10"));
+        assert!(wrong.expect_err("short table").contains("expected 12"));
     }
 }

@@ -47,8 +47,9 @@ pub struct GptConfig {
     /// residual output projections use `init_std / sqrt(2 · layers)`, as in GPT-2.
     pub init_std: f64,
     /// Whether attention, the MLP's first linear + GELU and the head's loss run as the fused
-    /// ops of `cubecl_kernels` (default `auto`: where the backend has fused kernels). An
-    /// execution choice, not part of the model: the parameters are the same either way.
+    /// ops of `cubecl_kernels` (default `auto`: each where the backend runs it as a kernel
+    /// not measured slower than Burn's own path). An execution choice, not part of the
+    /// model: the parameters are the same either way.
     pub fused: FusedMode,
 }
 
@@ -56,8 +57,9 @@ pub struct GptConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FusedMode {
-    /// Fused where the backend runs them as kernels (wgpu, CUDA, and `Autodiff` over them);
-    /// the written-out ops elsewhere, where the composed fused ops would gain nothing.
+    /// Each op fused where the backend runs it as a kernel not measured slower than Burn's
+    /// own path ([`cubecl_kernels::FusedDefaults`]: on CUDA the MLP and the head, attention
+    /// not; nothing on wgpu or Flex); the written-out ops elsewhere.
     #[default]
     Auto,
     /// Always fused: on backends without kernels (Flex) the composed implementations, with
@@ -154,15 +156,20 @@ impl GptConfig {
     /// What takes the fused path on backend `B`. A tied head stays written out: its weight
     /// is the transposed embedding, a view the head kernel does not take.
     fn fused<B: FusedOps>(&self) -> Fused {
-        let on = match self.fused {
-            FusedMode::On => true,
-            FusedMode::Auto => B::fused_kernels(),
-            FusedMode::Off => false,
+        let all = |on| cubecl_kernels::FusedDefaults {
+            attention: on,
+            mlp: on,
+            head: on,
+        };
+        let ops = match self.fused {
+            FusedMode::On => all(true),
+            FusedMode::Auto => B::fused_defaults(),
+            FusedMode::Off => all(false),
         };
         Fused {
-            attention: on && flash_head_dim(self.hidden / self.heads),
-            mlp: on,
-            head: on && !self.tied_head,
+            attention: ops.attention && flash_head_dim(self.hidden / self.heads),
+            mlp: ops.mlp,
+            head: ops.head && !self.tied_head,
         }
     }
 
@@ -374,6 +381,10 @@ impl<B: FusedOps> PipelineStage<B> for GptStage<B> {
 
     fn is_last(&self) -> bool {
         self.end == self.num_layers
+    }
+
+    fn target_classes(&self) -> Option<usize> {
+        Some(self.config.vocab_size)
     }
 
     fn forward(

@@ -1,6 +1,8 @@
 //! Models as ordered lists of layers, cut into stages that run on different ranks.
 //!
-//! A user's Burn model implements [`PipelineModel`]: it says how many layers it has (input
+//! A Burn model made of an input part, a `Vec` of identical blocks and a head is pipelined
+//! by the [`LayerStack`] adapter with no trait to write. Any other model implements
+//! [`PipelineModel`]: it says how many layers it has (input
 //! embedding, blocks, output head with loss), what each costs, and builds a [`PipelineStage`]
 //! — an ordinary Burn [`Module`] holding only the parameters of a range of layers — for any
 //! contiguous layer range. [`split_model`] chooses the ranges (even, cost-balanced or
@@ -27,6 +29,7 @@ mod gpt_layers;
 mod params;
 mod placement;
 mod split;
+mod stack;
 #[cfg(all(test, feature = "flex"))]
 mod tests;
 
@@ -46,6 +49,7 @@ pub use params::{
     release_params,
 };
 pub use placement::{module_to_device, tensor_to_device};
+pub use stack::{LayerStack, StackBlock, StackHead, StackInput, StackStage};
 
 /// Held while a model draws its initial parameters. Burn backends keep one process-wide
 /// random state (and [`GptConfig::init_seeded`] seeds it), so two threads building models at
@@ -196,6 +200,16 @@ pub trait PipelineStage<B: Backend>: Module<B> {
     /// Whether this stage holds layer 0 (and so reads the micro-batch's inputs).
     fn is_first(&self) -> bool {
         self.layers().start == 0
+    }
+
+    /// For token targets: the classes the loss of the model's last stage takes them in
+    /// (`0..classes`, the vocabulary of a language model). With it the engine checks every
+    /// micro-batch's targets on the device, without a host read, and a step with a target
+    /// outside stops the run naming the step, the rank and the micro-batch (the out-of-range
+    /// ids are clamped for the step's computation, whose update is never applied). `None`
+    /// (the default): not checked.
+    fn target_classes(&self) -> Option<usize> {
+        None
     }
 
     /// Runs the stage. The first stage takes [`StageInput::Data`], the others

@@ -8,8 +8,10 @@ use burn::tensor::backend::Backend;
 use super::{ModelError, PipelineModel};
 use crate::schedule::{split_layers, LayerSplit};
 
-/// How a model's layers are divided into stages.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// How a model's layers are divided into stages. In configuration files: `"even"`,
+/// `"balanced"` or layer counts such as `"3,4,4,3"`.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum ModelSplit {
     /// As even as the layer counts allow; the first `layers mod stages` stages get one more.
     #[default]
@@ -19,6 +21,27 @@ pub enum ModelSplit {
     Balanced,
     /// Explicit layer count per stage (one entry per stage, summing to the layer count).
     Explicit(Vec<usize>),
+}
+
+impl From<ModelSplit> for String {
+    fn from(split: ModelSplit) -> String {
+        match split {
+            ModelSplit::Even => "even".into(),
+            ModelSplit::Balanced => "balanced".into(),
+            ModelSplit::Explicit(counts) => counts
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        }
+    }
+}
+
+impl TryFrom<String> for ModelSplit {
+    type Error = ModelError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
 }
 
 impl std::str::FromStr for ModelSplit {

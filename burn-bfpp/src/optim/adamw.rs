@@ -101,6 +101,57 @@ impl AdamWSettings {
         Ok(())
     }
 
+    /// The settings of burn-optim's `AdamWConfig`, whose fields are private: read through its
+    /// serde form. β1, β2, ε and the weight decay map one to one; what the flat optimizer
+    /// does not implement is refused, naming the equivalent: AMSGrad, cautious weight decay,
+    /// and per-parameter gradient clipping (`grad_clipping`; clip the global norm with
+    /// `TrainConfig::max_grad_norm` instead).
+    pub fn from_burn(config: &AdamWConfig) -> Result<Self, String> {
+        let value = serde_json::to_value(config)
+            .map_err(|e| format!("burn-optim's AdamWConfig did not serialise: {e}"))?;
+        let field = |name: &str| {
+            value
+                .get(name)
+                .ok_or_else(|| format!("burn-optim's AdamWConfig has no `{name}` (a newer Burn?)"))
+        };
+        let number = |name: &str| -> Result<f32, String> {
+            field(name)?
+                .as_f64()
+                .map(|v| v as f32)
+                .ok_or_else(|| format!("AdamWConfig's `{name}` is not a number"))
+        };
+        if field("amsgrad")?.as_bool() == Some(true) {
+            return Err(
+                "AdamWConfig with AMSGrad (`with_amsgrad(true)`): the sharded \
+                        flat-buffer AdamW implements plain AdamW only; leave amsgrad off"
+                    .into(),
+            );
+        }
+        if field("cautious_weight_decay")?.as_bool() == Some(true) {
+            return Err("AdamWConfig with cautious weight decay \
+                        (`with_cautious_weight_decay(true)`): the sharded flat-buffer AdamW \
+                        applies plain decoupled weight decay; leave it off"
+                .into());
+        }
+        if !field("grad_clipping")?.is_null() {
+            return Err(
+                "AdamWConfig with gradient clipping (`with_grad_clipping`): Burn clips \
+                        each parameter tensor on its own, which the sharded optimizer cannot \
+                        (a shard holds parts of many tensors); clip the global gradient norm \
+                        over every stage and shard with TrainConfig's `max_grad_norm` instead"
+                    .into(),
+            );
+        }
+        let settings = AdamWSettings {
+            beta1: number("beta_1")?,
+            beta2: number("beta_2")?,
+            epsilon: number("epsilon")?,
+            weight_decay: number("weight_decay")?,
+        };
+        settings.validate().map_err(|e| e.to_string())?;
+        Ok(settings)
+    }
+
     /// The equivalent Burn configuration, for single-device reference runs
     /// (`settings.to_burn().init()`); it has no gradient clipping (see [`super`] on why global
     /// clipping is done by hand).

@@ -230,6 +230,21 @@ impl FromStr for Action {
     }
 }
 
+/// One executed action, with wall-clock times in seconds since the run started: what the
+/// engine records and what the timeline pictures and step profiles read. It lives beside
+/// [`Action`] so that the pictures build without the engine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedEvent {
+    /// Optimizer step (1-based).
+    pub step: usize,
+    /// The action.
+    pub action: Action,
+    /// Start, seconds since the run started.
+    pub start: f64,
+    /// End, seconds since the run started.
+    pub end: f64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

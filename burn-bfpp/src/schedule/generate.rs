@@ -10,8 +10,9 @@ use super::{Action, PipelineSchedule, ScheduleError};
 /// Largest schedule generated (2²⁴ compute actions, a few hundred MiB once lowered).
 pub const MAX_COMPUTE_ACTIONS: usize = 1 << 24;
 
-/// The schedule families this crate generates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The schedule families this crate generates. In configuration files: its command-line name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum ScheduleKind {
     /// All forwards, then all backwards; one stage per rank.
     GPipe,
@@ -46,6 +47,19 @@ impl ScheduleKind {
 impl fmt::Display for ScheduleKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+impl From<ScheduleKind> for String {
+    fn from(kind: ScheduleKind) -> String {
+        kind.name().to_string()
+    }
+}
+
+impl TryFrom<String> for ScheduleKind {
+    type Error = ScheduleError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
     }
 }
 

@@ -22,8 +22,22 @@ use std::str::FromStr;
 
 use super::{Action, ActionKind, PipelineSchedule, ScheduleError};
 
-/// ZeRO level: how much of the training state is sharded over the data-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+/// ZeRO level: how much of the training state is sharded over the data-parallel group. In
+/// configuration files: its number, 0 to 3.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Default,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(try_from = "u8", into = "u8")]
 pub enum ZeroLevel {
     /// Replicated weights, gradients and optimizer state; gradients all-reduced.
     #[default]
@@ -58,6 +72,19 @@ impl ZeroLevel {
                 "ZeRO level {n} does not exist; use 0, 1, 2 or 3"
             ))),
         }
+    }
+}
+
+impl From<ZeroLevel> for u8 {
+    fn from(level: ZeroLevel) -> u8 {
+        level.number()
+    }
+}
+
+impl TryFrom<u8> for ZeroLevel {
+    type Error = ScheduleError;
+    fn try_from(n: u8) -> Result<Self, Self::Error> {
+        ZeroLevel::from_number(n)
     }
 }
 

@@ -17,7 +17,7 @@ mod placement;
 mod replay;
 mod validate;
 
-pub use action::{Action, ActionKind};
+pub use action::{Action, ActionKind, TimedEvent};
 pub use csv::{from_csv, to_csv};
 pub use generate::{ScheduleKind, ScheduleSpec};
 pub use grid::{render_actions, render_grid};

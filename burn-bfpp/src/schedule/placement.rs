@@ -4,8 +4,10 @@ use std::ops::Range;
 
 use super::ScheduleError;
 
-/// How the `pp · loops` stages are laid onto the `pp` pipeline ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How the `pp · loops` stages are laid onto the `pp` pipeline ranks. In configuration files:
+/// its command-line name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum Placement {
     /// Stage `s` on rank `s mod pp`: a micro-batch goes around the rank ring `loops` times.
     /// With `loops = 1` this is the contiguous placement of GPipe and 1F1B.
@@ -37,6 +39,19 @@ impl Placement {
             Placement::Looping => "looping",
             Placement::VShape => "v-shape",
         }
+    }
+}
+
+impl From<Placement> for String {
+    fn from(placement: Placement) -> String {
+        placement.name().to_string()
+    }
+}
+
+impl TryFrom<String> for Placement {
+    type Error = ScheduleError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
     }
 }
 

@@ -3,7 +3,7 @@
 use serde_json::Value;
 
 use super::*;
-use crate::engine::TimedEvent;
+use crate::schedule::TimedEvent;
 use crate::schedule::{
     lower_data_parallel, lower_p2p, replay, unit_cost, Action, ActionKind, DataParallelLowering,
     PipelineSchedule, ScheduleKind, ScheduleSpec, SendMode, ZeroLevel,

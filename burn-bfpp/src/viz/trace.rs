@@ -5,7 +5,7 @@
 //! converting all three into one [`Trace`] is what makes measured and simulated pictures
 //! directly comparable (same lanes, same colours, same Chrome trace layout).
 
-use crate::engine::TimedEvent;
+use crate::schedule::TimedEvent;
 use crate::schedule::{Action, ActionKind, Timeline};
 use crate::sim::{Interval, SimResult, TraceItem};
 

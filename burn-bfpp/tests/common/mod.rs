@@ -14,13 +14,12 @@ pub mod bounded;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::AdamWConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_bfpp::engine::EngineConfig;
-use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, ModelSplit, PipelineModel, Targets};
-use burn_bfpp::optim::{AdamWSettings, LrSchedule};
-use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
-use std::time::Duration;
+use burn_bfpp::engine::{infallible, EngineError, LrConfig, TrainConfig, TrainOutcome, Trainer};
+use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, PipelineModel, Targets};
+use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 
 pub type B = Autodiff<Flex>;
 
@@ -40,15 +39,21 @@ pub fn gpt_config() -> GptConfig {
     }
 }
 
-pub fn adamw() -> AdamWSettings {
-    AdamWSettings {
-        weight_decay: 0.1,
-        ..AdamWSettings::default()
+pub fn adamw() -> AdamWConfig {
+    AdamWConfig::new().with_weight_decay(0.1)
+}
+
+pub fn lr() -> LrConfig {
+    LrConfig::WarmupCosine {
+        peak: 2e-2,
+        min_lr: 1e-3,
+        warmup_steps: 1,
     }
 }
 
-pub fn lr() -> LrSchedule {
-    LrSchedule::warmup_cosine(2e-2, 1e-3, 1, STEPS)
+/// The learning rate of `step` (1-based) in a run of [`STEPS`] steps.
+pub fn lr_at(step: usize) -> f64 {
+    lr().rates(STEPS).expect("a valid schedule")[step - 1]
 }
 
 /// A deterministic pseudo-random token from its coordinates: the same sample whatever the layout.
@@ -94,7 +99,7 @@ pub fn reference(dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
 pub fn reference_of(model: Gpt<B>, dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
     let mut model = model;
     let fused_head = model.config().fused == burn_bfpp::model::FusedMode::On;
-    let mut optim = adamw().to_burn().init::<B, Gpt<B>>();
+    let mut optim = adamw().init::<B, Gpt<B>>();
     let ce = CrossEntropyLossConfig::new().init(&Default::default());
     let mut losses = Vec::new();
     for step in 1..=STEPS {
@@ -125,7 +130,7 @@ pub fn reference_of(model: Gpt<B>, dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
         let loss = total.expect("non-empty batch") / (dp * M) as f64;
         losses.push(loss.clone().into_scalar() as f64);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr().lr(step), model, grads);
+        model = optim.step(lr_at(step), model, grads);
     }
     (losses, params(&model))
 }
@@ -173,7 +178,7 @@ pub fn max_param_err(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
 /// ([`burn_bfpp::sim::step_comm_bytes`]) with this model's real stage sizes: messages of
 /// `MBS × seq × hidden` activations and weights gathered in the compute dtype, gradients
 /// reduced in fp32 (what the engine does).
-pub fn predicted_comm_bytes(cfg: &EngineConfig) -> Vec<burn_bfpp::comm::CommBytes> {
+pub fn predicted_comm_bytes(cfg: &TrainConfig) -> Vec<burn_bfpp::comm::CommBytes> {
     use burn_bfpp::model::split_model;
     use burn_bfpp::sim::{step_comm_bytes, CostTable, SimConfig};
     let program = cfg.program().expect("valid layout");
@@ -205,27 +210,31 @@ pub fn config(
     loops: usize,
     dp: usize,
     zero: ZeroLevel,
-) -> EngineConfig {
-    EngineConfig {
-        pp,
-        loops,
-        dp,
-        microbatches: M,
-        bf_microbatches: None,
-        schedule: kind,
-        placement: Placement::Looping,
-        zero,
-        buffers: 2,
-        recompute: false,
-        split: ModelSplit::Even,
-        adamw: adamw(),
-        lr: lr(),
-        max_grad_norm: 0.0,
-        comm_timeout: Duration::from_secs(60),
-        overlap_collectives: true,
-        fault: None,
-        on_nonfinite: Default::default(),
-        precision: Default::default(),
-        loss_scaling: Default::default(),
-    }
+) -> TrainConfig {
+    TrainConfig::new(STEPS)
+        .with_pp(pp)
+        .with_loops(loops)
+        .with_dp(dp)
+        .with_microbatches(M)
+        .with_schedule(kind)
+        .with_zero(zero)
+        .with_adamw(adamw())
+        .with_lr(lr())
+        .with_comm_timeout_secs(60.0)
+}
+
+/// The tiny GPT trained under `cfg` on [`batch`], ranks as threads.
+pub fn train(model: &Gpt<B>, cfg: &TrainConfig) -> Result<TrainOutcome<Gpt<B>>, EngineError> {
+    Trainer::new(cfg.clone()).fit(model.clone(), infallible(batch))
+}
+
+/// [`train`] stopped after `steps` of the configuration's schedule.
+pub fn train_for(
+    model: &Gpt<B>,
+    cfg: &TrainConfig,
+    steps: usize,
+) -> Result<TrainOutcome<Gpt<B>>, EngineError> {
+    Trainer::new(cfg.clone())
+        .stop_after(steps)
+        .fit(model.clone(), infallible(batch))
 }

@@ -11,9 +11,8 @@ use super::super::{CommError, CommOp, Communicator, Group, RankGrid, ReduceOp};
 use super::{ProcessComm, Transport};
 
 /// A rank that is one process of its world ([`ProcessComm`], or an `NcclComm` layered on
-/// one): besides tensors it ships opaque bytes, with which
-/// [`train_processes`](crate::engine::train_processes) gathers every rank's results on world
-/// rank 0.
+/// one): besides tensors it ships opaque bytes, with which a process world
+/// ([`crate::engine::Trainer::in_process`]) gathers every rank's results on world rank 0.
 pub trait ProcessRank<B: Backend>: Communicator<B> {
     /// Sends opaque bytes to world rank `peer` on stream `tag`; does not block.
     fn send_bytes(&self, peer: usize, tag: u64, bytes: Vec<u8>) -> Result<(), CommError>;

@@ -6,10 +6,11 @@
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use super::super::{EngineError, TimedEvent};
+use super::super::EngineError;
 use super::{Inner, RankExecutor};
 use crate::comm::Communicator;
 use crate::model::PipelineStage;
+use crate::schedule::TimedEvent;
 use crate::schedule::{Action, ActionKind};
 
 /// Tag of the transfer that leaves `stage` for micro-batch `mb` (`backward`: gradient).
@@ -58,6 +59,24 @@ where
         }
     }
 
+    /// The shape a `RECV_*` action receives: the activation entering its stage (`RECV_F`), or
+    /// the gradient of the activation leaving it (`RECV_B`).
+    fn incoming_shape(&self, action: Action) -> Result<[usize; 3], EngineError> {
+        let boundary = if action.kind == ActionKind::RecvForward {
+            action.stage.checked_sub(1)
+        } else {
+            Some(action.stage)
+        };
+        boundary
+            .and_then(|b| self.settings.activation_shapes.get(b).copied())
+            .ok_or_else(|| {
+                EngineError::Config(format!(
+                    "{action}: no activation crosses that stage boundary (the program does not \
+                     fit the model's split)"
+                ))
+            })
+    }
+
     /// Puts what a `RECV_*` action received where its compute takes it.
     fn received(&mut self, action: Action, tensor: Tensor<Inner<B>, 3>) {
         let key = (action.stage, action.mb());
@@ -78,7 +97,7 @@ where
             return Ok(self.comm.send(peer, tag, tensor)?);
         }
         let (peer, tag) = self.incoming(action);
-        let shape = self.settings.activation_shape;
+        let shape = self.incoming_shape(action)?;
         let dtype = self.settings.precision.dtype();
         let tensor = self.comm.recv(peer, tag, shape, dtype)?;
         self.received(action, tensor);
@@ -100,7 +119,6 @@ where
             action,
             source: Box::new(source),
         };
-        let shape = self.settings.activation_shape;
         let dtype = self.settings.precision.dtype();
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
@@ -113,6 +131,7 @@ where
                 sends.push(self.outgoing(action).map_err(|e| failed(action, e))?);
             } else {
                 let (peer, tag) = self.incoming(action);
+                let shape = self.incoming_shape(action).map_err(|e| failed(action, e))?;
                 recvs.push((peer, tag, shape, dtype));
                 receiving.push(action);
             }

@@ -40,6 +40,10 @@ where
             let slot = layout.loss_slot(self.dp_index);
             table = table.slice_assign(slot..slot + 1, loss);
         }
+        if let Some(mark) = self.bad_targets.take() {
+            let slot = layout.bad_target_slot(self.dp_index);
+            table = table.slice_assign(slot..slot + 1, mark);
+        }
         table = self
             .comm
             .all_reduce(Group::Pipeline, table, ReduceOp::Sum)?;
