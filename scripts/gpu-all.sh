@@ -53,5 +53,7 @@ cp target/gpu-check/kernels.json "$LOG_DIR/" 2>/dev/null
 # Burn's autotune results (each candidate kernel's time per shape class, and the winner), so
 # that the routine behind every matmul figure can be read afterwards.
 tar -czf "$LOG_DIR/autotune.tar.gz" -C target autotune 2>/dev/null
-tar -czf "$LOG_DIR/timelines.tar.gz" -C target/gpu-run out out-pp1 out-pp2 out-nccl out-processes out-multi out-multi-nccl 2>/dev/null
+# Every run's timeline, trace and metrics, and its --json report.
+(cd target/gpu-run 2>/dev/null && tar -czf - out-* ./*.json) >"$LOG_DIR/timelines.tar.gz" 2>/dev/null
+cp target/gpu-run/*.log "$LOG_DIR/" 2>/dev/null
 if ((failed)); then exit 1; elif ((no_gpu == 2)); then exit 2; fi

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Overlapped against waiting data-parallel collectives, on this machine: alternates runs of
-# `bfpp train` with and without --no-overlap (ranks as threads, then as processes over TCP)
+# `bfpp train` with and without --no-overlap (ranks as threads, then as MPI processes)
 # and prints each run's tokens/s and mean collective share (the ranks' share of list time in
 # data-parallel gathers and reductions), then the ratio of the medians. Results are bitwise
 # equal, so only the time differs.
 #
-#   cargo build --release && bash scripts/overlap-bench.sh [PAIRS] [STEPS] [extra train flags…]
+#   cargo build --release --features mpi && bash scripts/overlap-bench.sh [PAIRS] [STEPS] [extra train flags…]
 #
 # MODES="processes" runs only the multi-process half. To give the processes a network whose
 # transfers take time of their own, shape the loopback first (root; undo with
@@ -37,7 +37,7 @@ for mode in ${MODES:-threads processes}; do
       if [ "$mode" = threads ]; then
         "$bin" train "${flags[@]}" >"$out/json" 2>/dev/null
       else
-        "$bin" launch --nproc 4 --via tcp -- train "${flags[@]}" >"$out/json" 2>/dev/null
+        "$bin" launch --nproc 4 -- train "${flags[@]}" >"$out/json" 2>/dev/null
       fi
       t=$(tokens "$out/json")
       echo "$mode pair $i overlap $variant: $t tokens/s, collectives $(share "$out/json") % of list time"

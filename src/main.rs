@@ -7,6 +7,8 @@
 //! lower_data_parallel → validate) and prints the result in one of four formats;
 //! `bfpp validate` checks a schedule CSV written by `bfpp` or by PyTorch's pipelining.
 
+#![warn(missing_docs)]
+
 mod cli;
 
 use std::path::PathBuf;
@@ -34,10 +36,19 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Train a GPT with pipeline and data parallelism (ranks are threads); with no flags,
-    /// the built-in demonstration: pp 2, loops 2, dp 2, breadth-first, ZeRO-3.
+    /// Train a GPT with pipeline and data parallelism on the CPU, wgpu or CUDA; with no
+    /// flags, the built-in demonstration: pp 2, loops 2, dp 2, breadth-first, ZeRO-3.
     #[cfg(feature = "flex")]
     Train(Box<cli::args::TrainArgs>),
+    /// Not built into this binary: names the feature to rebuild with.
+    #[cfg(not(feature = "flex"))]
+    Train(NotBuilt),
+    /// Not built into this binary: names the feature to rebuild with.
+    #[cfg(not(feature = "flex"))]
+    Export(NotBuilt),
+    /// Not built into this binary: names the feature to rebuild with.
+    #[cfg(not(feature = "flex"))]
+    Launch(NotBuilt),
     /// Write a checkpoint's consolidated weights as a Burn record of the plain
     /// single-device GPT (loadable with `Gpt::load_file` or `bfpp train --init`).
     #[cfg(feature = "flex")]
@@ -54,9 +65,30 @@ enum Command {
     Plan(Box<cli::plan::PlanArgs>),
     /// The best layout of each family: breadth-first, depth-first, 1f1b, gpipe, megatron.
     Compare(Box<cli::plan::CompareArgs>),
-    /// Start N processes of this binary, one rank each, connected over TCP (or started by
-    /// mpirun in builds with --features mpi): `bfpp launch --nproc 4 -- train --pp 2 --dp 2`.
+    /// Start N ranks of `bfpp train` as processes: under mpirun for CPU ranks (builds with
+    /// --features mpi), one process per GPU with NCCL for `--backend cuda`:
+    /// `bfpp launch --nproc 4 -- train --pp 2 --dp 2`.
+    #[cfg(feature = "flex")]
     Launch(cli::launch::LaunchArgs),
+}
+
+/// The arguments of a command this binary was built without; they are not read, since the
+/// command only says how to get it.
+#[cfg(not(feature = "flex"))]
+#[derive(Debug, Args)]
+struct NotBuilt {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    args: Vec<String>,
+}
+
+/// The error of a command this binary was built without (`--no-default-features`).
+#[cfg(not(feature = "flex"))]
+fn not_built(command: &str) -> Result<(), CliError> {
+    Err(CliError::NotBuilt(format!(
+        "`bfpp {command}` is not built into this binary (it was built without default \
+         features, so without Burn): rebuild with `cargo build --release --features flex` \
+         (or wgpu/cuda for GPUs)"
+    )))
 }
 
 #[derive(Debug, Args)]
@@ -170,7 +202,14 @@ fn main() -> ExitCode {
         Command::Simulate(args) => cli::simulate::run(&args),
         Command::Plan(args) => cli::plan::run_plan(&args),
         Command::Compare(args) => cli::plan::run_compare(&args),
+        #[cfg(feature = "flex")]
         Command::Launch(args) => cli::launch::run(&args).map_err(CliError::from),
+        #[cfg(not(feature = "flex"))]
+        Command::Train(_) => not_built("train"),
+        #[cfg(not(feature = "flex"))]
+        Command::Export(_) => not_built("export"),
+        #[cfg(not(feature = "flex"))]
+        Command::Launch(_) => not_built("launch"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -173,6 +173,40 @@ fn cpu_ranks_started_like_gpu_ranks_say_how_to_start_them() {
     );
 }
 
+/// GPU ranks from a build or a machine that cannot run them (no CUDA backend built in, or
+/// no CUDA driver / NCCL loadable) fail before training, every rank with the fix, and
+/// quickly: nothing waits for a peer that never comes.
+#[test]
+fn gpu_ranks_that_cannot_start_fail_before_training_with_the_fix() {
+    let dir = scratch_dir("launch-cli", "no-cuda");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bfpp"));
+    cmd.args(["launch", "--nproc", "2", "--", "train", "--backend", "cuda"])
+        .args(TINY)
+        .args(["--pp", "2", "--dp", "1", "--loops", "1", "--steps", "2"])
+        .arg("--out-dir")
+        .arg(dir.path());
+    let start = Instant::now();
+    let out = output_within(cmd, Duration::from_secs(60));
+    let log = output_text(&out);
+    assert!(!out.status.success(), "it ran:\n{log}");
+    let fix = if cfg!(feature = "cuda") {
+        // A CUDA build on a machine without a GPU stack: the driver library is named.
+        "CUDA driver"
+    } else {
+        "--features cuda"
+    };
+    assert!(log.contains(fix), "`{fix}` not in:\n{log}");
+    assert!(
+        !dir.path().join("metrics.jsonl").exists(),
+        "a rank started training:\n{log}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 /// The multi-machine flags are for GPU ranks; CPU ranks spread over machines through MPI.
 #[test]
 fn multi_node_flags_for_cpu_ranks_point_to_mpi() {

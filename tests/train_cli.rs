@@ -105,6 +105,8 @@ fn json_report_has_exactly_the_documented_keys() {
             "param_l2_norm",
             "peak_param_bytes",
             "skipped_steps",
+            "steady_tokens_per_s",
+            "step_times_s",
             "timeline_svg",
             "tokens_per_s",
             "trace_json"
@@ -320,8 +322,8 @@ fn a_config_file_is_read_and_flags_override_it() {
     let file = dir.path().join("run.toml");
     std::fs::write(
         &file,
-        "[layout]\npp = 1\nloops = 1\ndp = 1\nmicrobatches = 2\nschedule = \"1f1b\"\nzero = 0\n\n\
-         [run]\nsteps = 5\n",
+        "[train]\npp = 1\nloops = 1\ndp = 1\nmicrobatches = 2\nschedule = \"1f1b\"\nzero = 0\n\
+         steps = 5\n",
     )
     .expect("writable");
     let file = file.to_str().expect("a UTF-8 path");
@@ -335,14 +337,19 @@ fn a_config_file_is_read_and_flags_override_it() {
     // The file's layout took effect: one rank.
     assert_eq!(doc["peak_param_bytes"].as_array().map(Vec::len), Some(1));
 
-    std::fs::write(dir.path().join("typo.toml"), "[run]\nstesp = 5\n").expect("writable");
-    let typo = dir.path().join("typo.toml");
-    assert_fails(
-        "config-typo",
-        &["--config", typo.to_str().expect("UTF-8")],
-        &[],
-        &["stesp", "--print-config"],
-    );
+    for (name, text, key) in [
+        ("typo-run", "[run]\nsede = 5\n", "sede"),
+        ("typo-train", "[train]\nstesp = 5\n", "stesp"),
+    ] {
+        let typo = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&typo, text).expect("writable");
+        assert_fails(
+            name,
+            &["--config", typo.to_str().expect("UTF-8")],
+            &[],
+            &[key, "--print-config"],
+        );
+    }
 }
 
 /// The metrics file of `run`.
@@ -373,7 +380,7 @@ fn a_nan_step_stops_by_default_naming_the_step_and_the_rank() {
 fn a_nan_step_is_skipped_with_a_warning_under_the_skip_policy() {
     let dir = scratch_dir("train", "nan-skip-config");
     let file = dir.path().join("skip.toml");
-    std::fs::write(&file, "[run]\non_nonfinite = \"skip\"\n").expect("writable");
+    std::fs::write(&file, "[train]\non_nonfinite = \"skip\"\n").expect("writable");
     let file = file.to_str().expect("UTF-8");
     let args = [
         "--config",

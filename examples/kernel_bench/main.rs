@@ -32,8 +32,8 @@
 //! The last one measures the cross-entropy memory at the production shape on the CPU Vulkan
 //! adapter (minutes: the two paths' forward and backward are about 5 TFLOP).
 //!
-//! It lives in the root package beside `gpu_run` so that `scripts/gpu-check.sh build` compiles
-//! both with one feature set.
+//! It lives in the root package beside `bfpp` so that the GPU scripts' builds compile both
+//! with one feature set.
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench {

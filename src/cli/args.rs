@@ -4,21 +4,29 @@
 //! embedded default) alone, which is why they are `Option`s rather than clap defaults.
 
 use std::path::PathBuf;
+use std::str::FromStr;
 
+use burn_bfpp::engine::LrConfig;
+use burn_bfpp::schedule::ZeroLevel;
 use clap::Args;
 
 use super::config::BfppConfig;
+use super::train::TrainError;
 
 /// `bfpp train [FLAGS]`.
 #[derive(Debug, Clone, Default, Args)]
 pub struct TrainArgs {
-    /// A TOML configuration file (sections [layout], [model], [optimizer], [data], [run]);
-    /// flags override its values. `--print-config` shows the format.
+    /// A TOML configuration file (sections [train], [model], [data], [run]); flags override
+    /// its values. `--print-config` shows the format.
     #[arg(long, value_name = "FILE.toml")]
     pub config: Option<PathBuf>,
     /// Print the effective configuration as TOML and exit without training.
     #[arg(long)]
     pub print_config: bool,
+    /// The Burn backend that trains: flex (CPU), wgpu or cuda (those two need a build with
+    /// `--features wgpu` / `--features cuda`).
+    #[arg(long, value_enum, default_value_t)]
+    pub backend: super::backend::BackendChoice,
 
     /// Pipeline ranks P.
     #[arg(long, help_heading = "Layout")]
@@ -72,8 +80,9 @@ pub struct TrainArgs {
     /// MLP width as a multiple of --hidden.
     #[arg(long, help_heading = "Model")]
     pub mlp_ratio: Option<usize>,
-    /// Fused attention, MLP and loss ops: where the backend has kernels (auto), always (on;
-    /// composed ops on the CPU), or never (off).
+    /// Fused attention, MLP and loss ops: each where this backend runs it as a kernel not
+    /// measured slower than Burn's own path (auto: on CUDA the MLP and the loss, attention
+    /// not; none on wgpu and flex), all of them (on; composed ops on the CPU), or none (off).
     #[arg(long, value_name = "auto|on|off", help_heading = "Model")]
     pub fused: Option<burn_bfpp::model::FusedMode>,
 
@@ -128,10 +137,27 @@ pub struct TrainArgs {
     /// f16 only: finite steps in a row after which the loss scale doubles.
     #[arg(long, value_name = "STEPS", help_heading = "Run")]
     pub loss_scale_growth_interval: Option<usize>,
-    /// Where the ranks live: MPI processes when started by mpirun/srun (auto), threads of
-    /// this process (local), or MPI processes (mpi; needs a build with --features mpi).
+    /// Where the ranks live and what carries their collectives: from the launch (auto:
+    /// MPI processes under mpirun/srun, one process per GPU under `bfpp launch … --backend
+    /// cuda`, threads otherwise), threads (local), MPI processes (mpi; a build with
+    /// --features mpi), or NCCL collectives (nccl; cuda only).
     #[arg(long, value_enum, default_value_t, help_heading = "Run")]
-    pub comm: super::multiprocess::CommMode,
+    pub comm: super::backend::CommMode,
+    /// --backend cuda with ranks as threads: spread them over this many GPUs (world rank r on
+    /// GPU r % N). For speed, run one process per GPU instead: `bfpp launch --nproc N --
+    /// train --backend cuda`, where local rank r computes on GPU r (and --gpus is refused).
+    #[arg(long, default_value_t = 1, value_name = "N", help_heading = "Run")]
+    pub gpus: usize,
+    /// Report MFU against this hardware's peak and the simulator's prediction of the same
+    /// layout on it (one GPU per rank) beside the measured step: a preset (a100-80gb,
+    /// h100-80gb, h200-141gb) or auto (the GPU nvidia-smi names, under --backend cuda).
+    #[arg(long, value_name = "NAME", help_heading = "Run")]
+    pub hardware: Option<String>,
+    /// Train the same model, data, optimizer and steps with a plain Burn loop on one device
+    /// instead of the engine (no pipeline, no sharding, no gradient clipping): the baseline
+    /// the engine's throughput is measured against.
+    #[arg(long, help_heading = "Run")]
+    pub plain_burn: bool,
     /// Folder for metrics.jsonl, trace.json and timeline.svg.
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub out_dir: Option<PathBuf>,
@@ -147,36 +173,59 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// Overwrites in `cfg` every value given on the command line.
-    pub fn apply(&self, cfg: &mut BfppConfig) {
+    /// Overwrites in `cfg` every value given on the command line; a flag that does not fit
+    /// the configuration (a learning-rate flag for a scheduler without that setting, a bad
+    /// name) is an error naming the fix.
+    pub fn apply(&self, cfg: &mut BfppConfig) -> Result<(), TrainError> {
         fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
             if let Some(v) = value {
                 *slot = v.clone();
             }
         }
-        let l = &mut cfg.layout;
-        set(&mut l.pp, &self.pp);
-        set(&mut l.loops, &self.loops);
-        set(&mut l.dp, &self.dp);
-        set(&mut l.microbatches, &self.microbatches);
+        fn parsed<T: FromStr>(slot: &mut T, value: &Option<String>) -> Result<(), TrainError>
+        where
+            T::Err: std::fmt::Display,
+        {
+            if let Some(text) = value {
+                *slot = text
+                    .parse()
+                    .map_err(|e: T::Err| TrainError::Config(e.to_string()))?;
+            }
+            Ok(())
+        }
+        let t = &mut cfg.train;
+        set(&mut t.steps, &self.steps);
+        set(&mut t.pp, &self.pp);
+        set(&mut t.loops, &self.loops);
+        set(&mut t.dp, &self.dp);
+        set(&mut t.microbatches, &self.microbatches);
         if self.bf_microbatches.is_some() {
-            l.bf_microbatches = self.bf_microbatches;
+            t.bf_microbatches = self.bf_microbatches;
         }
-        if self.micro_batch_size.is_some() {
-            // A flag beats the file: a global batch from the file would contradict it.
-            l.micro_batch_size = self.micro_batch_size;
-            l.global_batch = None;
+        parsed(&mut t.schedule, &self.schedule)?;
+        parsed(&mut t.placement, &self.placement)?;
+        if let Some(zero) = self.zero {
+            t.zero = ZeroLevel::from_number(zero)?;
         }
-        if self.global_batch.is_some() {
-            l.global_batch = self.global_batch;
-            l.micro_batch_size = None;
+        set(&mut t.buffers, &self.buffers);
+        t.recompute |= self.recompute;
+        parsed(&mut t.split, &self.split)?;
+        if let Some(wd) = self.weight_decay {
+            t.adamw = t.adamw.clone().with_weight_decay(wd);
         }
-        set(&mut l.schedule, &self.schedule);
-        set(&mut l.placement, &self.placement);
-        set(&mut l.zero, &self.zero);
-        set(&mut l.buffers, &self.buffers);
-        l.recompute |= self.recompute;
-        set(&mut l.split, &self.split);
+        set(&mut t.max_grad_norm, &self.max_grad_norm);
+        self.apply_lr(&mut t.lr)?;
+        set(&mut t.comm_timeout_secs, &self.comm_timeout);
+        if self.no_overlap {
+            t.overlap_collectives = false;
+        }
+        set(&mut t.on_nonfinite, &self.on_nonfinite);
+        set(&mut t.precision, &self.precision);
+        set(&mut t.loss_scaling.initial_scale, &self.loss_scale);
+        set(
+            &mut t.loss_scaling.growth_interval,
+            &self.loss_scale_growth_interval,
+        );
 
         let m = &mut cfg.model;
         set(&mut m.layers, &self.layers);
@@ -186,42 +235,63 @@ impl TrainArgs {
         set(&mut m.fused, &self.fused);
         // One flag for both so the two can never disagree.
         set(&mut m.seq_len, &self.seq_len);
-        set(&mut cfg.data.seq_len, &self.seq_len);
 
-        let o = &mut cfg.optimizer;
-        set(&mut o.lr, &self.lr);
-        set(&mut o.min_lr, &self.min_lr);
-        set(&mut o.warmup_steps, &self.warmup_steps);
-        set(&mut o.adamw.weight_decay, &self.weight_decay);
-        set(&mut o.max_grad_norm, &self.max_grad_norm);
-
+        let d = &mut cfg.data;
+        set(&mut d.seq_len, &self.seq_len);
         if self.data.is_some() {
-            cfg.data.path = self.data.clone();
+            d.path = self.data.clone();
+        }
+        if self.micro_batch_size.is_some() {
+            // A flag beats the file: a global batch from the file would contradict it.
+            d.micro_batch_size = self.micro_batch_size;
+            d.global_batch = None;
+        }
+        if self.global_batch.is_some() {
+            d.global_batch = self.global_batch;
+            d.micro_batch_size = None;
         }
         let r = &mut cfg.run;
-        set(&mut r.steps, &self.steps);
         set(&mut r.seed, &self.seed);
-        set(&mut r.comm_timeout_s, &self.comm_timeout);
-        if self.no_overlap {
-            r.overlap_collectives = false;
-        }
         set(&mut r.out_dir, &self.out_dir);
-        set(&mut r.on_nonfinite, &self.on_nonfinite);
-        set(&mut r.precision, &self.precision);
-        set(&mut r.loss_scaling.initial_scale, &self.loss_scale);
-        set(
-            &mut r.loss_scaling.growth_interval,
-            &self.loss_scale_growth_interval,
-        );
+        Ok(())
+    }
+
+    /// `--lr`, `--min-lr` and `--warmup-steps` on the configuration's learning rate: they
+    /// set the fields of a warm-up + cosine schedule, and `--lr` alone a constant one.
+    fn apply_lr(&self, lr: &mut LrConfig) -> Result<(), TrainError> {
+        match lr {
+            LrConfig::WarmupCosine {
+                peak,
+                min_lr,
+                warmup_steps,
+            } => {
+                *peak = self.lr.unwrap_or(*peak);
+                *min_lr = self.min_lr.unwrap_or(*min_lr);
+                *warmup_steps = self.warmup_steps.unwrap_or(*warmup_steps);
+                Ok(())
+            }
+            LrConfig::Constant(value) if self.min_lr.is_none() && self.warmup_steps.is_none() => {
+                *value = self.lr.unwrap_or(*value);
+                Ok(())
+            }
+            _ if self.lr.is_none() && self.min_lr.is_none() && self.warmup_steps.is_none() => {
+                Ok(())
+            }
+            other => Err(TrainError::Config(format!(
+                "--lr, --min-lr and --warmup-steps set a warm-up + cosine learning rate (--lr \
+                 alone also a constant one), but the configuration's [train.lr] is {other:?}; \
+                 change it in the --config file instead"
+            ))),
+        }
     }
 
     /// The configuration of this invocation: default, then `--config`, then the flags.
-    pub fn resolve(&self) -> Result<BfppConfig, super::train::TrainError> {
+    pub fn resolve(&self) -> Result<BfppConfig, TrainError> {
         let mut cfg = match &self.config {
             Some(path) => BfppConfig::from_file(path)?,
             None => BfppConfig::default(),
         };
-        self.apply(&mut cfg);
+        self.apply(&mut cfg)?;
         Ok(cfg)
     }
 }

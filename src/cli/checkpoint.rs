@@ -15,13 +15,17 @@ use burn_bfpp::checkpoint::{
     DirSink,
 };
 use burn_bfpp::data::{Batcher, DataError};
-use burn_bfpp::engine::{EngineConfig, RankState};
+use burn_bfpp::engine::{RankState, TrainConfig};
 use burn_bfpp::model::{load_flat, Gpt, GptConfig};
 use burn_bfpp::schedule::PipelineSchedule;
 use burn_store::{ApplyError, ModuleSnapshot, SafetensorsStore};
 use clap::Args;
 
-use super::train::{Backend, TrainError};
+use super::backend::CliBackend;
+use super::train::TrainError;
+
+/// The backend `bfpp export` consolidates on: Burn's CPU backend.
+type Backend = burn::backend::Autodiff<burn::backend::Flex>;
 
 /// The checkpoint flags of `bfpp train`.
 #[derive(Debug, Clone, Default, Args)]
@@ -63,9 +67,9 @@ pub struct CheckpointArgs {
 }
 
 /// What the checkpoint flags add to a run.
-pub struct Prepared<'a> {
+pub struct Prepared<'a, B: CliBackend> {
     /// The model to train (with resumed or initial weights).
-    pub model: Gpt<Backend>,
+    pub model: Gpt<B>,
     /// Every rank's state to start from (empty: fresh optimizer state).
     pub resume: Vec<RankState>,
     /// Where to save, if anywhere.
@@ -82,18 +86,19 @@ fn model_json(model: &GptConfig) -> Result<serde_json::Value, TrainError> {
     Ok(json)
 }
 
-/// Apply `--init`, `--resume` and `--save` to a run about to start.
-#[allow(clippy::too_many_arguments)]
-pub fn prepare<'a>(
+/// Apply `--init`, `--resume` and `--save` to a run about to start; `model` is on the device
+/// the run builds it on, and stays there.
+pub fn prepare<'a, B: CliBackend>(
     args: &CheckpointArgs,
     model_cfg: &GptConfig,
     seed: u64,
-    steps: usize,
-    engine: &EngineConfig,
-    model: Gpt<Backend>,
+    train: &TrainConfig,
+    model: Gpt<B>,
     batcher: &'a Batcher,
-) -> Result<Prepared<'a>, TrainError> {
-    let program: PipelineSchedule = engine.program()?;
+) -> Result<Prepared<'a, B>, TrainError> {
+    let steps = train.steps;
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    let program: PipelineSchedule = train.program()?;
     let json = model_json(model_cfg)?;
     let mut model = model;
     if let Some(file) = &args.init {
@@ -101,7 +106,7 @@ pub fn prepare<'a>(
             WeightFormat::Mpk => {
                 let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
                 model
-                    .load_file(file.clone(), &recorder, &Default::default())
+                    .load_file(file.clone(), &recorder, &device)
                     .map_err(|e| {
                         TrainError::Checkpoint(CheckpointError::Corrupt {
                             path: file.clone(),
@@ -135,10 +140,10 @@ pub fn prepare<'a>(
                 loaded.dir.display()
             )));
         }
-        let (states, global) = resume_states(&loaded, &model, &json, engine, &program)?;
-        let flat = Tensor::<Backend, 1>::from_data(
+        let (states, global) = resume_states(&loaded, &model, &json, train, &program)?;
+        let flat = Tensor::<B, 1>::from_data(
             TensorData::new(global.params.clone(), [global.params.len()]),
-            &Default::default(),
+            &device,
         );
         model = load_flat(model, &flat)?;
         resume = states;
@@ -146,11 +151,11 @@ pub fn prepare<'a>(
     let sink = match &args.save {
         None => None,
         Some(dir) => {
-            let numels = stage_numels(&model, engine, &program)?;
+            let numels = stage_numels(&model, train, &program)?;
             let lr =
-                serde_json::to_value(engine.lr).map_err(|e| TrainError::Config(e.to_string()))?;
+                serde_json::to_value(&train.lr).map_err(|e| TrainError::Config(e.to_string()))?;
             let template = manifest_template(
-                engine,
+                train,
                 &program,
                 &numels,
                 json,
@@ -213,7 +218,7 @@ impl WeightFormat {
 
 /// Load safetensors weights into `model`, refusing (before training) a file whose tensors
 /// do not match it one to one: a missing, extra or differently shaped tensor is named.
-fn load_safetensors(model: Gpt<Backend>, file: &Path) -> Result<Gpt<Backend>, TrainError> {
+fn load_safetensors<B: CliBackend>(model: Gpt<B>, file: &Path) -> Result<Gpt<B>, TrainError> {
     // Check everything ourselves (rather than the store's multi-line summary) so that the
     // error names the first offending tensor and the fix.
     let mut store = SafetensorsStore::from_file(file)

@@ -1,9 +1,10 @@
 //! `BfppConfig`: everything a `bfpp train` run needs, from a TOML file and command-line flags.
 //!
-//! The configuration is plain serde data in five sections — `[layout]`, `[model]`,
-//! `[optimizer]`, `[data]` and `[run]` — every field optional (`#[serde(default)]`) and every
-//! unknown field an error (`deny_unknown_fields`), so a typo in a file is reported instead of
-//! silently ignored. Precedence: the embedded default ([`BfppConfig::default`]) < the file
+//! The configuration is plain serde data in four sections — `[train]` (the library's
+//! [`TrainConfig`]: layout, optimizer, learning rate, precision, timeouts; what a program
+//! using `burn_bfpp::engine::Trainer` writes in code), `[model]`, `[data]` and `[run]` — every
+//! field optional and every unknown field an error, so a typo in a file is reported instead
+//! of silently ignored. Precedence: the embedded default ([`BfppConfig::default`]) < the file
 //! given with `--config` < command-line flags.
 //!
 //! # The embedded default (the main job)
@@ -12,7 +13,7 @@
 //! 64 with 4 heads, head; 0.44M parameters) on the built-in synthetic Markov corpus on
 //! `pp 2 × dp 2 = 4` ranks with `loops 2` (4 stages), breadth-first, ZeRO-3: 120 steps of
 //! 32 samples × 64 tokens (dp 2 × 4 micro-batches × 4 samples), AdamW (β2 = 0.95) with a
-//! 10-step warm-up to 5e-3 and cosine decay to 5e-4. It finishes in about two and a half
+//! 10-step warm-up to 5e-3 and cosine decay to 5e-4 ([`default_train`]). It finishes in about two and a half
 //! minutes on 2 CPU cores and ends within a few percent of the corpus's entropy rate;
 //! `bfpp train --print-config` prints it as TOML, a starting point for a file of one's own.
 //!
@@ -26,123 +27,75 @@
 //! `[data.markov] order = 2` selects the harder source.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
+use burn::optim::AdamWConfig;
 use burn_bfpp::data::{BatchConfig, BatchLayout, MarkovConfig, VOCAB_SIZE};
-use burn_bfpp::engine::{
-    EngineConfig, EngineError, Fault, LossScaling, NonFinitePolicy, Precision,
-};
+use burn_bfpp::engine::{EngineError, Fault, LrConfig, TrainConfig};
 use burn_bfpp::model::{GptConfig, ModelSplit};
-use burn_bfpp::optim::{AdamWSettings, LrSchedule};
-use burn_bfpp::schedule::{Placement, ScheduleKind, ZeroLevel};
-use serde::{Deserialize, Serialize};
+use burn_bfpp::schedule::ZeroLevel;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use super::train::TrainError;
 
 /// The whole configuration of a training run.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BfppConfig {
-    /// How the model and the batch are spread over ranks.
-    pub layout: LayoutConfig,
+    /// The layout, optimizer and run settings of the engine: `[train]`, the library's
+    /// [`TrainConfig`] (its keys given in a file replace the embedded default's).
+    #[serde(deserialize_with = "train_over_default")]
+    pub train: TrainConfig,
     /// The GPT's shape. Its `seq_len` must equal `data.seq_len` (`--seq-len` sets both).
     pub model: GptConfig,
-    /// AdamW and the learning-rate schedule.
-    pub optimizer: OptimizerConfig,
-    /// What to train on and how it is cut into samples.
+    /// What to train on and how it is cut into samples and micro-batches.
     pub data: DataConfig,
-    /// Steps, seed, timeouts and where the outputs go.
+    /// Seed and where the outputs go.
     pub run: RunConfig,
 }
 
-/// The parallel layout: `[layout]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct LayoutConfig {
-    /// Pipeline ranks P.
-    pub pp: usize,
-    /// Stages per pipeline rank V; the model is cut into `pp × loops` stages.
-    pub loops: usize,
-    /// Data-parallel replicas D.
-    pub dp: usize,
-    /// Micro-batches per step and replica M.
-    pub microbatches: usize,
-    /// Breadth-first micro-batches per sweep K (must divide M); none: all M.
-    pub bf_microbatches: Option<usize>,
-    /// Samples per micro-batch; none: `global_batch / (dp × microbatches)`, or 4.
-    pub micro_batch_size: Option<usize>,
-    /// Samples per optimizer step; when given it must be divisible by `dp × microbatches`
-    /// and fixes the micro-batch size. None: `dp × microbatches × micro_batch_size`.
-    pub global_batch: Option<usize>,
-    /// Schedule family: `gpipe`, `1f1b`, `interleaved` or `breadth-first`.
-    pub schedule: String,
-    /// Stage placement: `looping` or `v-shape`.
-    pub placement: String,
-    /// ZeRO level, 0 to 3.
-    pub zero: u8,
-    /// Rotating full-size weight and gradient buffers per rank (ZeRO-2/3).
-    pub buffers: usize,
-    /// Recompute each stage's forward inside its backward (keeps only stage inputs).
-    pub recompute: bool,
-    /// Layers per stage: `even`, `balanced` (by FLOPs) or counts such as `3,2,2,3`.
-    pub split: String,
-}
-
-impl Default for LayoutConfig {
+impl Default for BfppConfig {
     fn default() -> Self {
         Self {
-            pp: 2,
-            loops: 2,
-            dp: 2,
-            microbatches: 4,
-            bf_microbatches: None,
-            micro_batch_size: None,
-            global_batch: None,
-            schedule: "breadth-first".into(),
-            placement: "looping".into(),
-            zero: 3,
-            buffers: 2,
-            recompute: false,
-            split: "even".into(),
+            train: default_train(),
+            model: GptConfig::default(),
+            data: DataConfig::default(),
+            run: RunConfig::default(),
         }
     }
+}
+
+/// The `[train]` of the embedded default: `pp 2 × dp 2` ranks, `loops 2`, breadth-first,
+/// ZeRO-3, 120 steps, AdamW with β2 = 0.95 (a shorter second-moment memory than Burn's 0.999
+/// suits a run this short) and weight decay 0.01, a 10-step warm-up to 5e-3 and cosine decay
+/// to 5e-4, gradient clipping at 1, a 60 s communication timeout.
+pub fn default_train() -> TrainConfig {
+    TrainConfig::new(120)
+        .with_pp(2)
+        .with_loops(2)
+        .with_dp(2)
+        .with_microbatches(4)
+        .with_zero(ZeroLevel::Zero3)
+        .with_adamw(AdamWConfig::new().with_beta_2(0.95).with_weight_decay(0.01))
+        .with_lr(LrConfig::WarmupCosine {
+            peak: 5e-3,
+            min_lr: 5e-4,
+            warmup_steps: 10,
+        })
+        .with_max_grad_norm(1.0)
+        .with_comm_timeout_secs(60.0)
+}
+
+/// `[train]` read from a file: its keys over [`default_train`]'s, unknown keys refused.
+fn train_over_default<'de, D: Deserializer<'de>>(d: D) -> Result<TrainConfig, D::Error> {
+    let given = toml::Table::deserialize(d)?;
+    let text = toml::to_string(&given).map_err(serde::de::Error::custom)?;
+    default_train()
+        .overridden_by_toml(&text)
+        .map_err(|e| serde::de::Error::custom(format!("[train]: {e}")))
 }
 
 /// Micro-batch size when neither it nor the global batch is given.
 pub const DEFAULT_MICRO_BATCH_SIZE: usize = 4;
-
-/// AdamW and the warm-up + cosine learning rate: `[optimizer]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct OptimizerConfig {
-    /// Peak learning rate, reached at the end of the warm-up.
-    pub lr: f64,
-    /// Learning rate at the last step (cosine decay from `lr`).
-    pub min_lr: f64,
-    /// Steps of linear warm-up.
-    pub warmup_steps: usize,
-    /// Global gradient-norm clipping threshold; 0 disables clipping.
-    pub max_grad_norm: f64,
-    /// β1, β2, ε and weight decay (`[optimizer.adamw]`).
-    pub adamw: AdamWSettings,
-}
-
-impl Default for OptimizerConfig {
-    fn default() -> Self {
-        Self {
-            lr: 5e-3,
-            min_lr: 5e-4,
-            warmup_steps: 10,
-            max_grad_norm: 1.0,
-            adamw: AdamWSettings {
-                // A shorter second-moment memory than Burn's 0.999 suits a run this short.
-                beta2: 0.95,
-                weight_decay: 0.01,
-                ..AdamWSettings::default()
-            },
-        }
-    }
-}
 
 /// The data: `[data]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -152,6 +105,11 @@ pub struct DataConfig {
     pub path: Option<PathBuf>,
     /// Tokens per sample; must equal `model.seq_len`.
     pub seq_len: usize,
+    /// Samples per micro-batch; none: `global_batch / (dp × microbatches)`, or 4.
+    pub micro_batch_size: Option<usize>,
+    /// Samples per optimizer step; when given it must be divisible by `dp × microbatches`
+    /// and fixes the micro-batch size. None: `dp × microbatches × micro_batch_size`.
+    pub global_batch: Option<usize>,
     /// Seed of the sample order; none: the run seed.
     pub seed: Option<u64>,
     /// Visit samples in a seeded random order per epoch (otherwise in stream order).
@@ -165,6 +123,8 @@ impl Default for DataConfig {
         Self {
             path: None,
             seq_len: GptConfig::default().seq_len,
+            micro_batch_size: None,
+            global_batch: None,
             seed: None,
             shuffle: true,
             markov: MarkovSettings::default(),
@@ -228,38 +188,17 @@ impl MarkovSettings {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RunConfig {
-    /// Optimizer steps (also the length of the cosine decay).
-    pub steps: usize,
     /// Seed of the model initialisation (and of the sample order unless `data.seed` is set).
     pub seed: u64,
-    /// Seconds any rank waits on a peer before the run fails (a hung or dead rank).
-    pub comm_timeout_s: f64,
-    /// Overlap the data-parallel collectives with compute (default); `false` waits where
-    /// each starts, the baseline to measure the overlap against. Results are bitwise equal.
-    pub overlap_collectives: bool,
     /// Folder for `metrics.jsonl`, `trace.json` and `timeline.svg`.
     pub out_dir: PathBuf,
-    /// A step whose loss or gradient norm is NaN or infinite: `"stop"` the run with an error
-    /// naming the step, or `"skip"` its optimizer update with a warning.
-    pub on_nonfinite: NonFinitePolicy,
-    /// Compute dtype of the stages: `"fp32"`, `"bf16"` or `"f16"`; master weights, AdamW
-    /// state and checkpoints stay fp32 (docs/precision.md).
-    pub precision: Precision,
-    /// Dynamic loss scaling of `"f16"` runs: `[run.loss_scaling]`.
-    pub loss_scaling: LossScaling,
 }
 
 impl Default for RunConfig {
     fn default() -> Self {
         Self {
-            steps: 120,
             seed: 0,
-            comm_timeout_s: 60.0,
-            overlap_collectives: true,
             out_dir: PathBuf::from("bfpp-out"),
-            on_nonfinite: NonFinitePolicy::Stop,
-            precision: Precision::Fp32,
-            loss_scaling: LossScaling::default(),
         }
     }
 }
@@ -267,8 +206,8 @@ impl Default for RunConfig {
 /// A validated configuration, ready to run: the engine's configuration and the batching.
 #[derive(Debug, Clone)]
 pub struct Plan {
-    /// The engine configuration (layout, optimizer, timeout, fault).
-    pub engine: EngineConfig,
+    /// The engine's configuration.
+    pub train: TrainConfig,
     /// How each step's global batch is split.
     pub layout: BatchLayout,
     /// How the corpus is cut into samples.
@@ -293,11 +232,11 @@ impl BfppConfig {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot print: {e}\n"))
     }
 
-    /// The micro-batch size this configuration asks for (see [`LayoutConfig`]).
+    /// The micro-batch size this configuration asks for (see [`DataConfig`]).
     fn micro_batch_size(&self) -> Result<usize, TrainError> {
-        let l = &self.layout;
-        let per_step = l.dp * l.microbatches;
-        match (l.global_batch, l.micro_batch_size) {
+        let (t, d) = (&self.train, &self.data);
+        let per_step = t.dp * t.microbatches;
+        match (d.global_batch, d.micro_batch_size) {
             (None, mbs) => Ok(mbs.unwrap_or(DEFAULT_MICRO_BATCH_SIZE)),
             (Some(g), mbs) => {
                 if g == 0 || g % per_step != 0 {
@@ -306,8 +245,8 @@ impl BfppConfig {
                         "global batch {g} is not divisible by dp × microbatches = {} × {} = \
                          {per_step}; use --global-batch {lower} (or {}), or change --dp / \
                          --microbatches",
-                        l.dp,
-                        l.microbatches,
+                        t.dp,
+                        t.microbatches,
                         lower + per_step
                     )));
                 }
@@ -324,23 +263,16 @@ impl BfppConfig {
         }
     }
 
-    /// Checks everything that can be checked without touching data or building a model, and
-    /// builds the engine configuration. Every error names the fix. `fault` comes from
-    /// `BFPP_FAULT_INJECT`.
+    /// Checks everything that can be checked without touching data or building a model.
+    /// Every error names the fix. `fault` comes from `BFPP_FAULT_INJECT`.
     pub fn plan(&self, fault: Option<Fault>) -> Result<Plan, TrainError> {
-        let (l, m, o, d, r) = (
-            &self.layout,
-            &self.model,
-            &self.optimizer,
-            &self.data,
-            &self.run,
-        );
+        let (t, m, d, r) = (&self.train, &self.model, &self.data, &self.run);
         for (name, flag, value) in [
-            ("pp", "--pp", l.pp),
-            ("loops", "--loops", l.loops),
-            ("dp", "--dp", l.dp),
-            ("microbatches", "--microbatches", l.microbatches),
-            ("steps", "--steps", r.steps),
+            ("pp", "--pp", t.pp),
+            ("loops", "--loops", t.loops),
+            ("dp", "--dp", t.dp),
+            ("microbatches", "--microbatches", t.microbatches),
+            ("steps", "--steps", t.steps),
             ("seq_len", "--seq-len", d.seq_len),
         ] {
             if value == 0 {
@@ -355,10 +287,6 @@ impl BfppConfig {
                 "micro-batch size must be at least 1; try --micro-batch-size 1".into(),
             ));
         }
-        let schedule: ScheduleKind = l.schedule.parse()?;
-        let placement: Placement = l.placement.parse()?;
-        let zero = ZeroLevel::from_number(l.zero)?;
-        let split: ModelSplit = l.split.parse()?;
         m.validate()
             .map_err(|e| config_error(format!("[model] {e}")))?;
         if m.seq_len != d.seq_len {
@@ -375,7 +303,7 @@ impl BfppConfig {
                 m.vocab_size
             )));
         }
-        let stages = l.pp * l.loops;
+        let stages = t.pp * t.loops;
         if stages > m.num_layers() {
             return Err(config_error(format!(
                 "the model has {} layers ({} blocks + embedding + head) but pp × loops = {} × \
@@ -383,8 +311,8 @@ impl BfppConfig {
                  or lower --pp / --loops",
                 m.num_layers(),
                 m.layers,
-                l.pp,
-                l.loops,
+                t.pp,
+                t.loops,
                 stages.saturating_sub(2).max(1)
             )));
         }
@@ -396,28 +324,8 @@ impl BfppConfig {
                     .into(),
             ));
         }
-        if !(r.comm_timeout_s.is_finite() && r.comm_timeout_s > 0.0) {
-            return Err(config_error(format!(
-                "comm_timeout_s is {}; it must be a positive number of seconds, e.g. \
-                 --comm-timeout 60",
-                r.comm_timeout_s
-            )));
-        }
-        if !(o.max_grad_norm.is_finite() && o.max_grad_norm >= 0.0) {
-            return Err(config_error(format!(
-                "max_grad_norm is {}; it must be >= 0 (0 disables clipping), e.g. \
-                 --max-grad-norm 1",
-                o.max_grad_norm
-            )));
-        }
-        let lr = LrSchedule::warmup_cosine(o.lr, o.min_lr, o.warmup_steps, r.steps);
-        lr.validate()
-            .map_err(|e| config_error(format!("[optimizer] {e}; check --lr and --min-lr")))?;
-        o.adamw
-            .validate()
-            .map_err(|e| config_error(format!("[optimizer.adamw] {e}")))?;
         if let Some(f) = fault {
-            let world = l.pp * l.dp;
+            let world = t.world_size();
             if f.rank >= world {
                 return Err(TrainError::Fault(format!(
                     "rank {} does not exist: pp × dp = {world} ranks (0..={}); pick a rank below \
@@ -427,31 +335,10 @@ impl BfppConfig {
                 )));
             }
         }
-        let engine = EngineConfig {
-            pp: l.pp,
-            loops: l.loops,
-            dp: l.dp,
-            microbatches: l.microbatches,
-            bf_microbatches: l.bf_microbatches,
-            schedule,
-            placement,
-            zero,
-            buffers: l.buffers,
-            recompute: l.recompute,
-            split,
-            adamw: o.adamw.clone(),
-            lr,
-            max_grad_norm: o.max_grad_norm,
-            comm_timeout: Duration::from_secs_f64(r.comm_timeout_s),
-            overlap_collectives: r.overlap_collectives,
-            fault,
-            on_nonfinite: r.on_nonfinite,
-            precision: r.precision,
-            loss_scaling: r.loss_scaling,
-        };
-        // Generates, lowers and validates the schedule: catches M not allowed by the schedule,
-        // K not dividing M, loops for a non-looped schedule, buffers = 0, ...
-        engine.program().map_err(|e| match e {
+        // Checks every setting, then generates, lowers and validates the schedule: catches
+        // M not allowed by the schedule, K not dividing M, loops for a non-looped schedule,
+        // buffers = 0, a bad learning rate or AdamW setting, ...
+        t.program().map_err(|e| match e {
             // Not a training failure: nothing has run yet.
             EngineError::Schedule(e) => TrainError::Schedule(e),
             EngineError::Config(message) => TrainError::Config(message),
@@ -459,10 +346,10 @@ impl BfppConfig {
         })?;
         // The layer split (explicit counts must sum to the layer count) is checked now too,
         // rather than after the corpus is generated.
-        burn_bfpp::schedule::split_layers(m.num_layers(), stages, &layer_split(&engine.split))?;
+        burn_bfpp::schedule::split_layers(m.num_layers(), stages, &layer_split(&t.split))?;
         let layout = BatchLayout {
-            dp: l.dp,
-            microbatches: l.microbatches,
+            dp: t.dp,
+            microbatches: t.microbatches,
             micro_batch_size,
         };
         let batch = BatchConfig {
@@ -472,7 +359,7 @@ impl BfppConfig {
             shuffle: d.shuffle,
         };
         Ok(Plan {
-            engine,
+            train: t.clone(),
             layout,
             batch,
         })

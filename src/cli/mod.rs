@@ -1,18 +1,23 @@
 //! Helpers of the `bfpp` binary: its error type, output and the JSON summary, and the
 //! `train` subcommand.
 
-// The trainer runs on Burn's CPU backend, so it exists only with the `flex` feature (on by
-// default); the schedule tools need no backend.
+// Training, export and launch need Burn, so they exist only with the `flex` feature (on by
+// default; `wgpu` and `cuda` imply it); the schedule tools need no backend.
 #[cfg(feature = "flex")]
 pub mod args;
+#[cfg(feature = "flex")]
+pub mod backend;
+#[cfg(feature = "flex")]
+pub mod baseline;
 #[cfg(feature = "flex")]
 pub mod checkpoint;
 #[cfg(feature = "flex")]
 pub mod config;
-pub mod launch;
 #[cfg(feature = "flex")]
-pub mod multiprocess;
+pub mod launch;
 pub mod plan;
+#[cfg(feature = "flex")]
+pub mod predict;
 #[cfg(feature = "flex")]
 pub mod report;
 pub mod simulate;
@@ -79,8 +84,13 @@ pub enum CliError {
     #[error(transparent)]
     Train(#[from] train::TrainError),
     /// `bfpp launch` failed.
+    #[cfg(feature = "flex")]
     #[error(transparent)]
     Launch(#[from] launch::LaunchError),
+    /// The command is not built into this binary; the message names the feature.
+    #[cfg(not(feature = "flex"))]
+    #[error("{0}")]
+    NotBuilt(String),
     /// Standard output could not be written.
     #[error("cannot write to standard output: {0}")]
     Stdout(io::Error),

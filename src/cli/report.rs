@@ -11,13 +11,13 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend as BackendTrait;
 use burn::tensor::Tensor;
 use burn_bfpp::data::BatchLayout;
-use burn_bfpp::engine::{
-    collective_share, EngineConfig, StepCounts, StepReport, TimedEvent, TrainOutcome,
-};
+use burn_bfpp::engine::{collective_share, StepCounts, StepReport, TrainConfig, TrainOutcome};
+use burn_bfpp::schedule::TimedEvent;
 use burn_bfpp::viz;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
+use super::backend::BackendChoice;
 use super::config::BfppConfig;
 use super::train::TrainError;
 
@@ -36,10 +36,14 @@ const TAIL_STEPS: usize = 10;
 pub struct Header<'a> {
     /// The effective configuration.
     pub cfg: &'a BfppConfig,
+    /// The engine's configuration.
+    pub train: &'a TrainConfig,
     /// The batch layout.
-    pub plan_layout: &'a BatchLayout,
-    /// The engine configuration.
-    pub engine: &'a EngineConfig,
+    pub layout: &'a BatchLayout,
+    /// The backend computing.
+    pub backend: BackendChoice,
+    /// Where the ranks are (`RankWorld::describe`).
+    pub world: String,
     /// The corpus description.
     pub corpus: String,
     /// Parameters of the model.
@@ -49,9 +53,9 @@ pub struct Header<'a> {
 impl Header<'_> {
     /// Prints the header on standard output.
     pub fn print(&self) {
-        let (m, l, e) = (&self.cfg.model, self.plan_layout, self.engine);
-        let stages = e.pp * e.loops;
-        let k = match e.bf_microbatches {
+        let (m, l, t) = (&self.cfg.model, self.layout, self.train);
+        let stages = t.pp * t.loops;
+        let k = match t.bf_microbatches {
             Some(k) => format!(" (K = {k})"),
             None => String::new(),
         };
@@ -64,15 +68,17 @@ impl Header<'_> {
             self.params as f64 / 1e6
         );
         println!(
-            "layout: {} ranks = pp {} × dp {}; {stages} stages (loops {}); {}{k}, ZeRO-{}{}",
-            e.pp * e.dp,
-            e.pp,
-            e.dp,
-            e.loops,
-            e.schedule,
-            e.zero as u8,
-            if e.recompute { ", recompute" } else { "" }
+            "layout: {} ranks = pp {} × dp {}; {stages} stages (loops {}); {}{k}, ZeRO-{}{}; {}",
+            t.world_size(),
+            t.pp,
+            t.dp,
+            t.loops,
+            t.schedule,
+            t.zero as u8,
+            if t.recompute { ", recompute" } else { "" },
+            t.precision
         );
+        println!("ranks: {} ({} backend)", self.world, self.backend.name());
         println!(
             "batch: {} samples × {} tokens per step = dp {} × {} micro-batches × {} samples; \
              {} steps",
@@ -81,7 +87,7 @@ impl Header<'_> {
             l.dp,
             l.microbatches,
             l.micro_batch_size,
-            self.cfg.run.steps
+            t.steps
         );
         println!("data: {}", self.corpus);
     }
@@ -366,6 +372,41 @@ pub struct Summary {
     skipped_steps: Vec<usize>,
     /// Every rank's host reads and bytes sent in the last step.
     last_step: Vec<StepCounts>,
+    /// Seconds of every step, from the end of the one before (the first from the start).
+    step_times_s: Vec<f64>,
+    /// Tokens one step trains.
+    tokens_per_step: usize,
+}
+
+/// Seconds of every step of `timelines`: from the last action of the step before on any rank
+/// (the run's start for the first) to its own last action on any rank, on the timelines'
+/// common clock. A step's optimizer update falls into the next step's time.
+pub fn step_times(timelines: &[Vec<TimedEvent>], steps: usize) -> Vec<f64> {
+    let mut ends = vec![0f64; steps];
+    for event in timelines.iter().flatten() {
+        if let Some(end) = event.step.checked_sub(1).and_then(|i| ends.get_mut(i)) {
+            *end = end.max(event.end);
+        }
+    }
+    let mut previous = 0.0;
+    ends.into_iter()
+        .map(|end| {
+            let took = end - previous;
+            previous = end;
+            took
+        })
+        .collect()
+}
+
+/// The median of the steps after the first (kernel compilation, autotuning and allocator
+/// growth fall into the first), or the only step's time.
+pub fn steady_step(step_times: &[f64]) -> f64 {
+    let mut rest: Vec<f64> = step_times.iter().skip(1).copied().collect();
+    if rest.is_empty() {
+        return step_times.first().copied().unwrap_or(f64::NAN);
+    }
+    rest.sort_by(f64::total_cmp);
+    rest[rest.len() / 2]
 }
 
 impl Summary {
@@ -392,7 +433,14 @@ impl Summary {
             metrics: metrics.to_path_buf(),
             skipped_steps: outcome.skipped_steps.clone(),
             last_step: outcome.last_step.clone(),
+            step_times_s: step_times(&outcome.timelines, steps),
+            tokens_per_step,
         }
+    }
+
+    /// Seconds of a steady step ([`steady_step`]).
+    pub fn steady_step_s(&self) -> f64 {
+        steady_step(&self.step_times_s)
     }
 
     /// The `--json` object: exactly `losses` (`null` for a step whose loss was not
@@ -402,8 +450,10 @@ impl Summary {
     /// and for the last step, by world rank: `host_reads_per_step` (synchronising
     /// device-to-host reads of the engine and the optimizer), `host_transfer_reads` (reads
     /// that were a host transport's payload) and `comm_bytes` (`{"data_parallel": bytes,
-    /// "pipeline": bytes}` the rank's action list sent).
-    pub fn json(&self) -> String {
+    /// "pipeline": bytes}` the rank's action list sent); `step_times_s` (every step's
+    /// seconds) and `steady_tokens_per_s` (tokens per step over the median step after the
+    /// first: the throughput without start-up costs).
+    pub fn json_value(&self) -> serde_json::Value {
         let reads: Vec<u64> = self.last_step.iter().map(|c| c.host_reads).collect();
         let transfers: Vec<u64> = self
             .last_step
@@ -423,8 +473,10 @@ impl Summary {
             "host_reads_per_step": reads,
             "host_transfer_reads": transfers,
             "comm_bytes": bytes,
+            "step_times_s": self.step_times_s,
+            "steady_tokens_per_s": self.tokens_per_step as f64 / self.steady_step_s(),
         });
-        format!("{doc}\n")
+        doc
     }
 
     /// The human summary.
@@ -454,8 +506,13 @@ impl Summary {
             );
         }
         out += &format!(
-            "throughput   {:.0} tokens/s, {:.3} s/step ({steps} steps in {:.1} s)\n",
-            self.tokens_per_s, self.step_time_s, self.elapsed_s
+            "throughput   {:.0} tokens/s, {:.3} s/step ({steps} steps in {:.1} s); steady: {:.0} \
+             tokens/s ({:.3} s, the median step after the first)\n",
+            self.tokens_per_s,
+            self.step_time_s,
+            self.elapsed_s,
+            self.tokens_per_step as f64 / self.steady_step_s(),
+            self.steady_step_s()
         );
         let peaks: Vec<String> = self
             .peak_param_bytes

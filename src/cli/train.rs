@@ -1,4 +1,4 @@
-//! `bfpp train`: configure, check, train on `Autodiff<Flex>`, report.
+//! `bfpp train`: configure, check, train on the chosen backend, report.
 //!
 //! The order matters for failing fast: the configuration is resolved and fully validated
 //! (including the schedule, which is generated and dry-run) before the corpus is loaded, and
@@ -9,21 +9,21 @@ use std::io;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use burn::backend::{Autodiff, Flex};
 use burn_bfpp::checkpoint::CheckpointError;
 use burn_bfpp::data::{load_corpus, Batcher, DataError};
-use burn_bfpp::engine::{CheckpointSink, Checkpointing, EngineError, Fault, FaultKind};
+use burn_bfpp::engine::{
+    CheckpointSink, Checkpointing, EngineError, Fault, FaultKind, StepReport, Trainer,
+};
 use burn_bfpp::model::ModelError;
 use burn_bfpp::schedule::ScheduleError;
 
 use super::args::TrainArgs;
+use super::backend::{BackendChoice, CliBackend, RankWorld, WorldRequest};
 use super::checkpoint::{prepare, Prepared};
-use super::config::Plan;
+use super::config::{BfppConfig, Plan};
+use super::predict::{predict, resolve_hardware, MeasuredStep, Prediction};
 use super::report::{self, Header, Progress};
 use super::write_output;
-
-/// The backend of `bfpp train`: Burn's CPU backend with autodiff.
-pub type Backend = Autodiff<Flex>;
 
 /// The environment variable that injects a fault:
 /// `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` (`secs` goes with `kind=sleep`).
@@ -69,6 +69,9 @@ pub enum TrainError {
     /// Training failed (a rank failed, panicked or timed out).
     #[error("training failed: {0}")]
     Engine(#[from] EngineError),
+    /// `--hardware` names no preset, or the simulator cannot cost the layout.
+    #[error(transparent)]
+    Sim(#[from] burn_bfpp::sim::SimError),
     /// A checkpoint could not be saved, loaded or resharded.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
@@ -158,21 +161,53 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
     if args.print_config {
         return Ok(Some(cfg.to_toml()));
     }
+    match args.backend {
+        #[cfg(feature = "flex")]
+        BackendChoice::Flex => train_on::<burn::backend::Autodiff<burn::backend::Flex>>(args, &cfg),
+        #[cfg(feature = "wgpu")]
+        BackendChoice::Wgpu => train_on::<burn::backend::Autodiff<burn::backend::Wgpu>>(args, &cfg),
+        #[cfg(feature = "cuda")]
+        BackendChoice::Cuda => train_on::<burn::backend::Autodiff<burn::backend::Cuda>>(args, &cfg),
+        #[allow(unreachable_patterns)]
+        other => Err(other.not_built()),
+    }
+}
+
+/// Trains `cfg` on backend `B`.
+fn train_on<B: CliBackend>(
+    args: &TrainArgs,
+    cfg: &BfppConfig,
+) -> Result<Option<String>, TrainError> {
     let fault = fault_from_env()?;
     let Plan {
-        engine,
+        train,
         layout,
         batch,
     } = cfg.plan(fault)?;
+    // Predict first: a layout the simulator cannot cost is refused before any training.
+    let prediction = match &args.hardware {
+        Some(name) => Some(predict(
+            &cfg.model,
+            &train,
+            &layout,
+            &resolve_hardware(name, B::CHOICE),
+        )?),
+        None => None,
+    };
     let corpus = load_corpus(cfg.data.path.as_deref(), &cfg.data.markov.to_markov())?;
     let batcher = Batcher::new(corpus.as_ref(), batch)?;
-    let device = Default::default();
-    let model = {
-        // Seeding and drawing use the backend's global random state: no other thread may draw
-        // while this runs, and the lock is what the engine's threads take too.
-        cfg.model.init_seeded::<Backend>(cfg.run.seed, &device)?
+    let request = WorldRequest {
+        comm: args.comm,
+        gpus: args.gpus,
     };
-    let steps = cfg.run.steps;
+    if args.plain_burn {
+        let device = B::plain_device(request)?;
+        return super::baseline::run::<B>(args, cfg, &train, &layout, &batcher, device, prediction);
+    }
+    let world = B::join(request, &train)?;
+    let device = world.home_device();
+    let model = cfg.model.init_seeded::<B>(cfg.run.seed, &device)?;
+    let steps = train.steps;
     let Prepared {
         model,
         resume,
@@ -181,8 +216,7 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         &args.ckpt,
         &cfg.model,
         cfg.run.seed,
-        steps,
-        &engine,
+        &train,
         model,
         &batcher,
     )?;
@@ -192,24 +226,26 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         source,
     })?;
     let tokens_per_step = layout.global_batch() * batch.seq_len;
-    // Under MPI only world rank 0 prints the header and summary, and only the rank that
-    // learns the loss draws the progress bar.
-    let ranks = super::multiprocess::Ranks::join(args.comm, &engine)?;
-    let root = ranks.is_root();
-    let show = !(args.json || args.quiet) && root;
-    let header = Header {
-        cfg: &cfg,
-        plan_layout: &layout,
-        engine: &engine,
-        corpus: corpus.describe(),
-        params: report::param_count(&model),
+    // With ranks as processes only world rank 0 prints the header and summary, and only
+    // the rank that learns the loss draws the progress bar and writes metrics.
+    let root = world.process_rank().is_none_or(|r| r == 0);
+    let reports_loss = match world.process_rank() {
+        None => true,
+        Some(rank) => super::backend::holds_the_loss(rank, &train)?,
     };
+    let show = !(args.json || args.quiet) && root;
     if show {
-        header.print();
+        Header {
+            cfg,
+            train: &train,
+            layout: &layout,
+            backend: B::CHOICE,
+            world: world.describe(),
+            corpus: corpus.describe(),
+            params: report::param_count(&model),
+        }
+        .print();
     }
-    // Only the process that learns the loss writes metrics (every rank thread of a local
-    // run is in this process); a resumed run keeps the lines up to its checkpoint's step.
-    let reports_loss = ranks.reports_loss(&engine)?;
     let resumed_at = resume.first().map_or(0, |state| state.step);
     let progress = Progress::new(
         steps,
@@ -219,37 +255,31 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         !args.quiet,
         reports_loss.then_some(resumed_at),
     )?;
-    let activation = [layout.micro_batch_size, batch.seq_len, cfg.model.hidden];
-    // The engine numbers steps from 1, the batcher from 0. `plan` checked the layout against
-    // the batcher's global batch, so the only remaining failure would be a bug: the engine's
-    // closure cannot return an error, so it panics and the engine reports the rank.
-    let batch_of = |step: usize, dp_index: usize, microbatch: usize| {
-        batcher
-            .micro_batch::<Backend>((step - 1) as u64, &layout, dp_index, microbatch, &device)
-            .unwrap_or_else(|e| panic!("micro-batch of step {step}: {e}"))
+    // The engine numbers steps from 1, the batcher from 0; an error stops every rank, naming
+    // the step, the rank and the micro-batch.
+    let data = |step: usize, dp_index: usize, microbatch: usize| {
+        batcher.micro_batch::<B>((step - 1) as u64, &layout, dp_index, microbatch, &device)
     };
-    let on_step = |r: &burn_bfpp::engine::StepReport| {
+    let on_step = |r: &StepReport| {
         let epochs = batcher.epochs_started((r.step - 1) as u64);
         progress.step(r, epochs);
     };
-    let checkpointing = Checkpointing {
-        resume: &resume,
-        every: args.ckpt.save_every.unwrap_or(0),
-        at_end: sink.is_some(),
-        sink: sink.as_ref().map(|s| s as &dyn CheckpointSink),
-    };
-    let outcome = ranks.train(
-        &model,
-        &engine,
-        steps,
-        activation,
-        batch_of,
-        on_step,
-        checkpointing,
-    );
+    let mut trainer = Trainer::new(train.clone())
+        .on_step(on_step)
+        .checkpointing(Checkpointing {
+            resume: &resume,
+            every: args.ckpt.save_every.unwrap_or(0),
+            at_end: sink.is_some(),
+            sink: sink.as_ref().map(|s| s as &dyn CheckpointSink),
+        });
+    if let Some(fault) = fault {
+        trainer = trainer.inject_fault(fault);
+    }
+    let devices = world.devices_used();
+    let outcome = world.fit(trainer, model, data);
     progress.finish();
     let Some(outcome) = outcome? else {
-        // Another MPI rank than 0: rank 0 reports the run.
+        // Another process than world rank 0: rank 0 reports the run.
         return Ok(None);
     };
     progress.take_error()?;
@@ -261,13 +291,44 @@ fn execute(args: &TrainArgs) -> Result<Option<String>, TrainError> {
         files,
         progress.metrics_path(),
     );
-    Ok(if args.json {
-        Some(summary.json())
+    Ok(Some(render(
+        args,
+        &summary,
+        prediction.as_ref(),
+        devices,
+        tokens_per_step,
+    ))
+    .flatten())
+}
+
+/// The end of a run on standard output: the summary as text or JSON, with the measured
+/// beside the predicted figures when `--hardware` was given; nothing under `--quiet`.
+pub fn render(
+    args: &TrainArgs,
+    summary: &report::Summary,
+    prediction: Option<&Prediction>,
+    devices: usize,
+    tokens_per_step: usize,
+) -> Option<String> {
+    let measured = MeasuredStep {
+        step_s: summary.steady_step_s(),
+        devices,
+    };
+    if args.json {
+        let mut doc = summary.json_value();
+        if let (Some(p), Some(fields)) = (prediction, doc.as_object_mut()) {
+            fields.insert("hardware".into(), p.json(measured));
+        }
+        Some(format!("{doc}\n"))
     } else if args.quiet {
         None
     } else {
-        Some(summary.text())
-    })
+        let mut text = summary.text();
+        if let Some(p) = prediction {
+            text += &p.text(measured, tokens_per_step);
+        }
+        Some(text)
+    }
 }
 
 #[cfg(test)]
