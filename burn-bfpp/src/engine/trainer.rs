@@ -65,7 +65,7 @@ pub struct Trainer<'a, W = Threads> {
     config: TrainConfig,
     world: W,
     checkpointing: Checkpointing<'a>,
-    on_step: Option<Box<dyn Fn(&StepReport) + Sync + 'a>>,
+    on_step: Box<dyn Fn(&StepReport) + Sync + 'a>,
     fault: Option<Fault>,
     stop_after: Option<usize>,
 }
@@ -85,7 +85,7 @@ impl<'a> Trainer<'a, Threads> {
             config,
             world: Threads,
             checkpointing: Checkpointing::default(),
-            on_step: None,
+            on_step: Box::new(|_| {}),
             fault: None,
             stop_after: None,
         }
@@ -131,7 +131,7 @@ impl<'a, W> Trainer<'a, W> {
     /// Calls `report` after every optimizer step on the rank that holds the last stage of
     /// replica 0 (progress bars, metrics files).
     pub fn on_step(mut self, report: impl Fn(&StepReport) + Sync + 'a) -> Self {
-        self.on_step = Some(Box::new(report));
+        self.on_step = Box::new(report);
         self
     }
 
@@ -219,11 +219,6 @@ impl<'a, C> Trainer<'a, ThreadComms<C>> {
             on_step,
             ..
         } = self;
-        let report = |r: &StepReport| {
-            if let Some(f) = &on_step {
-                f(r);
-            }
-        };
         train_world(
             &model,
             &engine,
@@ -231,7 +226,7 @@ impl<'a, C> Trainer<'a, ThreadComms<C>> {
             world.0,
             shapes,
             &data,
-            &report,
+            &on_step,
             checkpointing,
         )
     }
@@ -268,11 +263,6 @@ impl<'a, C> Trainer<'a, ProcessWorld<'a, C>> {
             on_step,
             ..
         } = self;
-        let report = |r: &StepReport| {
-            if let Some(f) = &on_step {
-                f(r);
-            }
-        };
         train_processes(
             world.0,
             &model,
@@ -280,7 +270,7 @@ impl<'a, C> Trainer<'a, ProcessWorld<'a, C>> {
             program,
             shapes,
             &data,
-            &report,
+            &on_step,
             checkpointing,
         )
     }
