@@ -85,7 +85,7 @@ use burn::tensor::{DType, Tensor};
 #[cfg(feature = "mpi")]
 pub use self::mpi::{mpi_launch_env, MpiComm, MpiTransport};
 pub use crate::sim::CommBytes;
-pub use control::{ControlComm, ControlTransport, ADVERTISE_ENV, MAX_CONTROL_TENSOR_BYTES};
+pub use control::{ControlComm, ControlTransport};
 pub use error::{CommError, RankError};
 pub use local::LocalComm;
 #[cfg(feature = "cuda")]
@@ -95,7 +95,7 @@ pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
 pub use pending::{Collective, Pending};
 pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
-pub use store::{free_local_port, RendezvousEnv, StoreError, TcpStore, STORE_PORT_ENV};
+pub use store::{free_local_port, RendezvousEnv, StoreError};
 pub use threads::{run_ranks, ThreadRank, World};
 
 /// Which of a rank's two groups a collective runs over.

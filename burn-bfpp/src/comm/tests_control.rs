@@ -4,6 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+use super::control::MAX_CONTROL_TENSOR_BYTES;
+use super::store::TcpStore;
 use super::tests::{tensor1, values, B};
 use super::*;
 
