@@ -19,7 +19,7 @@ fn flex_takes_no_fused_op_by_default() {
 #[test]
 fn wgpu_takes_no_fused_op_by_default() {
     use burn::backend::Wgpu;
-    assert_eq!(Wgpu::fused_defaults(), FusedDefaults::NONE);
+    assert_eq!(<Wgpu>::fused_defaults(), FusedDefaults::NONE);
     assert_eq!(Autodiff::<Wgpu>::fused_defaults(), FusedDefaults::NONE);
 }
 
@@ -34,6 +34,6 @@ fn cuda_takes_the_mlp_and_the_head_but_not_attention() {
         mlp: true,
         head: true,
     };
-    assert_eq!(Cuda::fused_defaults(), expected);
+    assert_eq!(<Cuda>::fused_defaults(), expected);
     assert_eq!(Autodiff::<Cuda>::fused_defaults(), expected);
 }
