@@ -15,8 +15,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn_bfpp::schedule::{
-    from_csv, lower_data_parallel, lower_p2p, render_actions, render_grid, to_csv, validate,
-    DataParallelLowering, Placement, ScheduleKind, ScheduleSpec, ZeroLevel,
+    from_csv, render_actions, render_grid, to_csv, validate, Placement, ProgramSpec, ScheduleKind,
+    ScheduleSpec, ZeroLevel,
 };
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -40,13 +40,13 @@ enum Command {
     /// flags, the built-in demonstration: pp 2, loops 2, dp 2, breadth-first, ZeRO-3.
     #[cfg(feature = "flex")]
     Train(Box<cli::args::TrainArgs>),
-    /// Not built into this binary: names the feature to rebuild with.
+    /// Train (not built into this binary: rebuild with `--features flex`).
     #[cfg(not(feature = "flex"))]
     Train(NotBuilt),
-    /// Not built into this binary: names the feature to rebuild with.
+    /// Export a checkpoint (not built into this binary: rebuild with `--features flex`).
     #[cfg(not(feature = "flex"))]
     Export(NotBuilt),
-    /// Not built into this binary: names the feature to rebuild with.
+    /// Launch ranks as processes (not built into this binary: rebuild with `--features flex`).
     #[cfg(not(feature = "flex"))]
     Launch(NotBuilt),
     /// Write a checkpoint's consolidated weights as a Burn record of the plain
@@ -93,9 +93,10 @@ fn not_built(command: &str) -> Result<(), CliError> {
 
 #[derive(Debug, Args)]
 struct ScheduleArgs {
-    /// Schedule family.
-    #[arg(long, value_enum, default_value_t = ScheduleArg::BreadthFirst)]
-    schedule: ScheduleArg,
+    /// Schedule family: gpipe, 1f1b, interleaved (alias depth-first) or breadth-first
+    /// (alias bf).
+    #[arg(long, default_value = "breadth-first", value_name = "NAME")]
+    schedule: ScheduleKind,
     /// Pipeline ranks P.
     #[arg(long, default_value_t = 4)]
     pp: usize,
@@ -130,32 +131,6 @@ struct ValidateArgs {
     /// The schedule CSV file.
     #[arg(value_name = "FILE.csv")]
     file: PathBuf,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum ScheduleArg {
-    /// All forwards, then all backwards (loops = 1).
-    Gpipe,
-    /// One forward / one backward after a warm-up (loops = 1).
-    #[value(name = "1f1b")]
-    OneFOneB,
-    /// Megatron-LM's interleaved 1F1B, depth-first (M a multiple of P).
-    #[value(alias = "depth-first")]
-    Interleaved,
-    /// Every local stage runs all its micro-batches before the next (the paper).
-    #[value(alias = "bf")]
-    BreadthFirst,
-}
-
-impl From<ScheduleArg> for ScheduleKind {
-    fn from(arg: ScheduleArg) -> Self {
-        match arg {
-            ScheduleArg::Gpipe => ScheduleKind::GPipe,
-            ScheduleArg::OneFOneB => ScheduleKind::OneFOneB,
-            ScheduleArg::Interleaved => ScheduleKind::Interleaved,
-            ScheduleArg::BreadthFirst => ScheduleKind::BreadthFirst,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -221,11 +196,8 @@ fn main() -> ExitCode {
 }
 
 fn run_schedule(args: &ScheduleArgs) -> Result<(), CliError> {
-    let kind = ScheduleKind::from(args.schedule);
-    let default_loops = match kind {
-        ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1,
-        ScheduleKind::Interleaved | ScheduleKind::BreadthFirst => 2,
-    };
+    let kind = args.schedule;
+    let default_loops = kind.family().default_loops;
     let spec = ScheduleSpec {
         kind,
         pp: args.pp,
@@ -235,21 +207,20 @@ fn run_schedule(args: &ScheduleArgs) -> Result<(), CliError> {
         placement: args.placement.into(),
     };
     let zero = ZeroLevel::from_number(args.zero)?;
-    let compute = spec.generate()?;
-    let lowered = lower_data_parallel(
-        &lower_p2p(&compute)?,
-        &DataParallelLowering {
-            zero,
-            weight_buffers: args.buffers,
-            grad_buffers: args.buffers,
-        },
-    )?;
-    let report = validate(&lowered)?;
+    let program = ProgramSpec::new(spec, zero)
+        .with_buffers(args.buffers)
+        .compile()?;
     let text = match args.format {
-        Format::Actions => render_actions(&compute),
-        Format::Grid => render_grid(&compute)?,
-        Format::Csv => to_csv(&lowered),
-        Format::Json => cli::json_summary(&spec, args.zero, args.buffers, &lowered, &report),
+        Format::Actions => render_actions(&program.compute),
+        Format::Grid => render_grid(&program.compute)?,
+        Format::Csv => to_csv(&program.lowered),
+        Format::Json => cli::json_summary(
+            &program.spec.schedule,
+            args.zero,
+            args.buffers,
+            &program.lowered,
+            &program.report,
+        ),
     };
     write_output(args.output.as_deref(), &text)
 }

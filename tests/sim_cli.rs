@@ -354,3 +354,57 @@ fn simulate_reads_model_files_and_names_a_bad_one() {
         let _ = std::fs::remove_file(p);
     }
 }
+
+/// `--buffers` reaches the lowering and the simulator alike: at ZeRO-3 one weight buffer
+/// gathers a rank's stages again for their backward and holds one at a time, three keep both
+/// stages resident, so the peak differs; `plan` and `compare` take the flag too.
+#[test]
+fn buffers_change_the_simulated_program_and_its_memory() {
+    let run = |buffers: &str| {
+        json(&[
+            "simulate",
+            "--model",
+            "gpt-1.3b",
+            "--schedule",
+            "breadth-first",
+            "--pp",
+            "4",
+            "--dp",
+            "2",
+            "--zero",
+            "3",
+            "--buffers",
+            buffers,
+            "--json",
+        ])
+    };
+    let (one, three) = (run("1"), run("3"));
+    let peaks = |v: &Value| v["peak_memory_bytes"].clone();
+    assert_ne!(peaks(&one), peaks(&three), "{one} vs {three}");
+    let total = |v: &Value| -> u64 {
+        v["all_gathers"]
+            .as_array()
+            .expect("all_gathers is a list")
+            .iter()
+            .map(|n| n.as_u64().expect("a count"))
+            .sum()
+    };
+    assert!(total(&one) > total(&three), "{one} vs {three}");
+    assert_fails_with(&["simulate", "--zero", "3", "--buffers", "0"], &["buffers"]);
+    let request = [
+        "--gpus",
+        "8",
+        "--global-batch",
+        "16",
+        "--max-microbatches",
+        "16",
+    ];
+    for command in ["plan", "compare"] {
+        let mut args = vec![command, "--model", "gpt-1.3b", "--buffers", "1", "--json"];
+        args.extend(request);
+        json(&args);
+        let mut args = vec![command, "--buffers", "0"];
+        args.extend(request);
+        assert_fails_with(&args, &["--buffers must be at least 1"]);
+    }
+}

@@ -5,15 +5,17 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use burn_bfpp::schedule::{ScheduleKind, ScheduleSpec, ZeroLevel};
+use burn_bfpp::schedule::{ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel};
 use burn_bfpp::sim::{
-    build_schedule, simulate, GptShape, HardwareConfig, ModelConfig, SimConfig, Strategy,
+    build_program, simulate, GptShape, HardwareConfig, ModelConfig, SimConfig, Strategy,
 };
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 
 fn simulate_p64_v8_m512_d8_zero3(c: &mut Criterion) {
     let spec = ScheduleSpec::new(ScheduleKind::BreadthFirst, 64, 8, 512);
-    let sched = build_schedule(&spec, ZeroLevel::Zero3, Strategy::Bfpp).expect("valid layout");
+    let sched = build_program(&ProgramSpec::new(spec, ZeroLevel::Zero3), Strategy::Bfpp)
+        .expect("valid layout")
+        .lowered;
     // 512 stages need 512 layers: the 52B model's width at 512 layers, so every stage has one.
     let model = ModelConfig::Gpt(GptShape {
         layers: 512,

@@ -28,6 +28,10 @@ pub struct RequestArgs {
     /// Largest micro-batch count M the search considers.
     #[arg(long, default_value_t = 512)]
     pub max_microbatches: usize,
+    /// Full-size gathered-weight and gradient buffers per rank (ZeRO-2/3) of every layout,
+    /// as `bfpp train --buffers`.
+    #[arg(long, default_value_t = burn_bfpp::schedule::DEFAULT_BUFFERS, value_name = "N")]
+    pub buffers: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -42,6 +46,7 @@ impl RequestArgs {
             self.global_batch,
         );
         req.limits.max_microbatches = self.max_microbatches;
+        req.buffers = self.buffers;
         Ok(req)
     }
 }

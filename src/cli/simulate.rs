@@ -4,9 +4,11 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use burn_bfpp::schedule::{Placement, ScheduleKind, ScheduleSpec, ZeroLevel};
+use burn_bfpp::schedule::{
+    Placement, ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel, DEFAULT_BUFFERS,
+};
 use burn_bfpp::sim::{
-    build_schedule, simulate, HardwareConfig, ModelConfig, SimConfig, SimError, SimResult,
+    build_program, simulate_program, HardwareConfig, ModelConfig, SimConfig, SimError, SimResult,
     Strategy, UnitModel, HARDWARE_PRESETS, MODEL_PRESETS,
 };
 use burn_bfpp::viz::{
@@ -55,6 +57,10 @@ pub struct SimulateArgs {
     /// Full activation recomputation (the backward re-runs the forward).
     #[arg(long)]
     pub recompute: bool,
+    /// Full-size gathered-weight and gradient buffers per rank (ZeRO-2/3), as `bfpp train
+    /// --buffers`: fewer hold less memory, at the cost of gathering weights again.
+    #[arg(long, default_value_t = DEFAULT_BUFFERS, value_name = "N")]
+    pub buffers: usize,
     /// Backward time ÷ forward time of the `unit` model.
     #[arg(long, value_name = "R")]
     pub backward_ratio: Option<f64>,
@@ -173,10 +179,7 @@ pub fn run(args: &SimulateArgs) -> Result<(), CliError> {
     )?;
     args.strategy.check_config(&cfg)?;
     let kind = args.schedule;
-    let loops = args.loops.unwrap_or(match kind {
-        ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1,
-        ScheduleKind::Interleaved | ScheduleKind::BreadthFirst => 2,
-    });
+    let loops = args.loops.unwrap_or(kind.family().default_loops);
     let spec = ScheduleSpec {
         kind,
         pp: args.pp,
@@ -185,8 +188,11 @@ pub fn run(args: &SimulateArgs) -> Result<(), CliError> {
         bf_microbatches: args.bf_microbatches,
         placement: Placement::Looping,
     };
-    let schedule = build_schedule(&spec, zero, args.strategy)?;
-    let result = simulate(&schedule, &cfg)?;
+    let program = build_program(
+        &ProgramSpec::new(spec, zero).with_buffers(args.buffers),
+        args.strategy,
+    )?;
+    let result = simulate_program(&program, &cfg)?;
     let title = format!(
         "{} on {}: {kind} pp={} loops={loops} dp={} tp={} M={} mbs={} ZeRO-{} ({})",
         args.model,

@@ -49,8 +49,7 @@ use crate::comm::{
 use crate::model::{module_to_device, recombine, split_model, ModelSplit, PipelineModel};
 use crate::optim::AdamWSettings;
 use crate::schedule::{
-    lower_data_parallel, lower_p2p, validate, DataParallelLowering, PipelineSchedule, Placement,
-    ScheduleKind, ScheduleSpec, TimedEvent, ZeroLevel,
+    PipelineSchedule, Placement, ProgramSpec, ScheduleKind, ScheduleSpec, TimedEvent, ZeroLevel,
 };
 
 /// What one rank's step cost besides its compute: the host synchronisations it made and the
@@ -184,15 +183,10 @@ impl EngineConfig {
         if self.precision.scales_loss() {
             self.loss_scaling.validate()?;
         }
-        let compute = self.spec().generate()?;
-        let lowering = DataParallelLowering {
-            zero: self.zero,
-            weight_buffers: self.buffers,
-            grad_buffers: self.buffers,
-        };
-        let lowered = lower_data_parallel(&lower_p2p(&compute)?, &lowering)?;
-        validate(&lowered)?;
-        Ok(lowered)
+        let program = ProgramSpec::new(self.spec(), self.zero)
+            .with_buffers(self.buffers)
+            .compile()?;
+        Ok(program.lowered)
     }
 }
 

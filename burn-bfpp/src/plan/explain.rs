@@ -180,7 +180,7 @@ pub fn explain(req: &PlanRequest, text: &str) -> Result<Explanation, PlanError> 
             text: out,
         });
     }
-    let sched = ScheduleCache::default().get(&layout)?;
+    let sched = ScheduleCache::default().get(&layout, req.buffers)?;
     let score = match evaluate(&layout, &sched, req)? {
         Simulated::OverMemory(s) => {
             let verdict = over(s.peak_memory_bytes, true, &mut out);

@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use serde_json::{json, Value};
 
-use crate::schedule::{Placement, ScheduleKind, ScheduleSpec, ZeroLevel};
+use crate::schedule::{Placement, ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel};
 use crate::sim::{ModelConfig, SimConfig, SimError, Strategy};
 
 use super::{PlanError, PlanRequest};
@@ -116,6 +116,11 @@ impl Layout {
         }
     }
 
+    /// The programs to compile: this layout's schedule at its ZeRO level with `buffers`.
+    pub fn program(&self, buffers: usize) -> ProgramSpec {
+        ProgramSpec::new(self.spec(), self.zero).with_buffers(buffers)
+    }
+
     /// The simulator configuration of this layout on the request's model and hardware.
     pub fn sim_config(&self, req: &PlanRequest) -> Result<SimConfig, SimError> {
         let mut cfg = SimConfig::new(req.model.clone(), req.hardware.clone());
@@ -124,6 +129,7 @@ impl Layout {
         cfg.micro_batch_size = self.micro_batch_size;
         cfg.zero = self.zero;
         cfg.recompute = self.recompute;
+        cfg.grad_buffers = req.buffers;
         cfg.check()?;
         Ok(cfg)
     }

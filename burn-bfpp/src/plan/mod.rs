@@ -126,6 +126,9 @@ pub struct PlanRequest {
     pub global_batch: usize,
     /// Enumeration limits.
     pub limits: SearchLimits,
+    /// Full-size gathered-weight and gradient buffers per rank (ZeRO-2/3) of every layout,
+    /// as the engine's `buffers`.
+    pub buffers: usize,
 }
 
 impl PlanRequest {
@@ -142,6 +145,7 @@ impl PlanRequest {
             gpus,
             global_batch,
             limits: SearchLimits::default(),
+            buffers: crate::schedule::DEFAULT_BUFFERS,
         }
     }
 
@@ -155,6 +159,13 @@ impl PlanRequest {
         if self.global_batch == 0 {
             return Err(PlanError::Request(
                 "--global-batch must be at least 1 sample".into(),
+            ));
+        }
+        if self.buffers == 0 {
+            return Err(PlanError::Request(
+                "--buffers must be at least 1 (weight and gradient buffers per rank); try \
+                 --buffers 2"
+                    .into(),
             ));
         }
         if self.limits.max_microbatches == 0 || self.limits.max_micro_batch_size == 0 {

@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use crate::schedule::{PipelineSchedule, Placement, ScheduleKind, ZeroLevel};
-use crate::sim::{build_schedule, simulate, static_bytes, CostTable, ModelConfig, Strategy};
+use crate::schedule::{Placement, Program, ScheduleKind, ZeroLevel};
+use crate::sim::{build_program, simulate_program, static_bytes, CostTable, ModelConfig, Strategy};
 
 use super::{Candidate, Family, Layout, Plan, PlanError, PlanRequest, Score, SearchStats};
 
@@ -234,17 +234,18 @@ type ScheduleKey = (
     ZeroLevel,
 );
 
-/// Lowered schedules shared by layouts that differ only in TP, micro-batch size or recompute.
+/// Compiled programs shared by layouts that differ only in TP, micro-batch size or recompute
+/// (the buffers are the request's, the same for every layout).
 #[derive(Default)]
 pub(super) struct ScheduleCache {
-    map: HashMap<ScheduleKey, Arc<PipelineSchedule>>,
+    map: HashMap<ScheduleKey, Arc<Program>>,
 }
 
 impl ScheduleCache {
     /// At most this many schedules are kept (a P = 64, M = 512 one is several MiB).
     const CAPACITY: usize = 64;
 
-    pub(super) fn get(&mut self, l: &Layout) -> Result<Arc<PipelineSchedule>, PlanError> {
+    pub(super) fn get(&mut self, l: &Layout, buffers: usize) -> Result<Arc<Program>, PlanError> {
         let key = (
             l.strategy,
             l.schedule,
@@ -257,7 +258,7 @@ impl ScheduleCache {
         if let Some(s) = self.map.get(&key) {
             return Ok(Arc::clone(s));
         }
-        let s = Arc::new(build_schedule(&l.spec(), l.zero, l.strategy)?);
+        let s = Arc::new(build_program(&l.program(buffers), l.strategy)?);
         if self.map.len() >= Self::CAPACITY {
             self.map.clear();
         }
@@ -266,13 +267,13 @@ impl ScheduleCache {
     }
 }
 
-/// Simulate one layout on its lowered schedule.
+/// Simulate one layout on its compiled program.
 pub(super) fn evaluate(
     l: &Layout,
-    sched: &PipelineSchedule,
+    program: &Program,
     req: &PlanRequest,
 ) -> Result<Simulated, PlanError> {
-    let r = simulate(sched, &l.sim_config(req)?)?;
+    let r = simulate_program(program, &l.sim_config(req)?)?;
     let score = Score::of(&r);
     Ok(if score.peak_memory_bytes > req.hardware.memory_bytes {
         Simulated::OverMemory(score)
@@ -322,7 +323,7 @@ pub fn plan(req: &PlanRequest, top: usize) -> Result<Plan, PlanError> {
     let mut next = 0;
     while next < queue.len() {
         // Take the next layouts whose bound could still enter the ranking or a family's best.
-        let mut batch: Vec<(Layout, Arc<PipelineSchedule>)> = Vec::new();
+        let mut batch: Vec<(Layout, Arc<Program>)> = Vec::new();
         while next < queue.len() && batch.len() < threads {
             let (l, b) = queue[next];
             next += 1;
@@ -336,7 +337,7 @@ pub fn plan(req: &PlanRequest, top: usize) -> Result<Plan, PlanError> {
                 stats.pruned += 1;
                 continue;
             }
-            batch.push((l, cache.get(&l)?));
+            batch.push((l, cache.get(&l, req.buffers)?));
         }
         let results: Vec<Result<Simulated, PlanError>> = if batch.len() <= 1 {
             batch.iter().map(|(l, s)| evaluate(l, s, req)).collect()

@@ -27,7 +27,7 @@ fn pruned_search_equals_brute_force_and_bounds_hold() {
     let mut all = Vec::new();
     for l in enumerate(&req) {
         let b = bounds(&l, &req).unwrap();
-        let sched = cache.get(&l).unwrap();
+        let sched = cache.get(&l, req.buffers).unwrap();
         let (score, fits) = match evaluate(&l, &sched, &req).unwrap() {
             Simulated::Fits(s) => (s, true),
             Simulated::OverMemory(s) => (s, false),

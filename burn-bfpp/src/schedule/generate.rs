@@ -35,13 +35,108 @@ impl ScheduleKind {
 
     /// The command-line name.
     pub fn name(self) -> &'static str {
-        match self {
-            ScheduleKind::GPipe => "gpipe",
-            ScheduleKind::OneFOneB => "1f1b",
-            ScheduleKind::Interleaved => "interleaved",
-            ScheduleKind::BreadthFirst => "breadth-first",
-        }
+        self.family().name
     }
+
+    /// The family's entry in [`REGISTRY`]: its names, rules and generator.
+    pub fn family(self) -> &'static ScheduleFamily {
+        REGISTRY
+            .iter()
+            .find(|f| f.kind == self)
+            .expect("every ScheduleKind has its entry in REGISTRY (tested)")
+    }
+}
+
+/// One schedule family: its names, the rules its layouts must follow beyond the common ones,
+/// and its generator. [`REGISTRY`] lists them all; the command line, configuration files,
+/// [`ScheduleSpec::check`] and [`ScheduleSpec::generate`] read nothing else, so a new family
+/// is a [`ScheduleKind`] variant, one entry here and its generator with its tests.
+#[derive(Debug)]
+pub struct ScheduleFamily {
+    /// The kind this entry describes.
+    pub kind: ScheduleKind,
+    /// The command-line and configuration name.
+    pub name: &'static str,
+    /// Other accepted spellings.
+    pub aliases: &'static [&'static str],
+    /// Stages per rank V when none is given.
+    pub default_loops: usize,
+    /// Whether the breadth-first micro-batch count K and the v-shape placement apply.
+    pub breadth_first: bool,
+    /// The family's own rules on a spec (the common ones already hold); the error names
+    /// the fix.
+    pub check: fn(&ScheduleSpec) -> Result<(), String>,
+    /// The compute order of one rank, given the spec, the rank and its local stages in
+    /// placement order.
+    pub generate: fn(&ScheduleSpec, usize, &[usize]) -> Vec<Action>,
+}
+
+/// Every schedule family, in the order the command line lists them.
+pub static REGISTRY: [ScheduleFamily; 4] = [
+    ScheduleFamily {
+        kind: ScheduleKind::GPipe,
+        name: "gpipe",
+        aliases: &[],
+        default_loops: 1,
+        breadth_first: false,
+        check: one_stage_per_rank,
+        generate: |spec, _, stages| gpipe(stages[0], spec.microbatches),
+    },
+    ScheduleFamily {
+        kind: ScheduleKind::OneFOneB,
+        name: "1f1b",
+        aliases: &[],
+        default_loops: 1,
+        breadth_first: false,
+        check: one_stage_per_rank,
+        generate: |spec, rank, stages| one_f_one_b(stages[0], spec.pp, rank, spec.microbatches),
+    },
+    ScheduleFamily {
+        kind: ScheduleKind::Interleaved,
+        name: "interleaved",
+        aliases: &["interleaved-1f1b", "depth-first"],
+        default_loops: 2,
+        breadth_first: false,
+        check: |spec| {
+            if spec.microbatches % spec.pp != 0 {
+                let up = spec.microbatches.div_ceil(spec.pp) * spec.pp;
+                return Err(format!(
+                    "interleaved needs microbatches to be a multiple of pp={}; try {up}",
+                    spec.pp
+                ));
+            }
+            Ok(())
+        },
+        generate: |spec, rank, stages| interleaved(stages, spec.pp, rank, spec.microbatches),
+    },
+    ScheduleFamily {
+        kind: ScheduleKind::BreadthFirst,
+        name: "breadth-first",
+        aliases: &["bf", "bfpp"],
+        default_loops: 2,
+        breadth_first: true,
+        check: |_| Ok(()),
+        generate: |spec, _, stages| {
+            breadth_first(
+                stages,
+                spec.microbatches,
+                spec.bf_microbatches.unwrap_or(spec.microbatches),
+            )
+        },
+    },
+];
+
+/// The rule of the families that run one stage per rank.
+fn one_stage_per_rank(spec: &ScheduleSpec) -> Result<(), String> {
+    if spec.loops != 1 {
+        return Err(format!(
+            "{} runs one stage per rank, so it needs loops = 1 (got {}); use --loops 1, or \
+             --schedule interleaved or breadth-first for a looped pipeline",
+            spec.kind.name(),
+            spec.loops
+        ));
+    }
+    Ok(())
 }
 
 impl fmt::Display for ScheduleKind {
@@ -66,15 +161,18 @@ impl TryFrom<String> for ScheduleKind {
 impl FromStr for ScheduleKind {
     type Err = ScheduleError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "gpipe" => Ok(ScheduleKind::GPipe),
-            "1f1b" => Ok(ScheduleKind::OneFOneB),
-            "interleaved" | "interleaved-1f1b" | "depth-first" => Ok(ScheduleKind::Interleaved),
-            "breadth-first" | "bf" | "bfpp" => Ok(ScheduleKind::BreadthFirst),
-            other => Err(ScheduleError::Config(format!(
-                "unknown schedule `{other}`; choose one of gpipe, 1f1b, interleaved, breadth-first"
-            ))),
-        }
+        let s = s.to_ascii_lowercase();
+        REGISTRY
+            .iter()
+            .find(|f| f.name == s || f.aliases.contains(&s.as_str()))
+            .map(|f| f.kind)
+            .ok_or_else(|| {
+                let names: Vec<&str> = REGISTRY.iter().map(|f| f.name).collect();
+                ScheduleError::Config(format!(
+                    "unknown schedule `{s}`; choose one of {}",
+                    names.join(", ")
+                ))
+            })
     }
 }
 
@@ -147,25 +245,10 @@ impl ScheduleSpec {
                 self.pp, self.loops, self.microbatches
             ));
         }
-        match self.kind {
-            ScheduleKind::GPipe | ScheduleKind::OneFOneB if self.loops != 1 => {
-                return err(format!(
-                    "{name} runs one stage per rank, so it needs loops = 1 (got {}); use --loops 1, \
-                     or --schedule interleaved or breadth-first for a looped pipeline",
-                    self.loops
-                ));
-            }
-            ScheduleKind::Interleaved if self.microbatches % self.pp != 0 => {
-                let up = self.microbatches.div_ceil(self.pp) * self.pp;
-                return err(format!(
-                    "interleaved needs microbatches to be a multiple of pp={}; try {up}",
-                    self.pp
-                ));
-            }
-            _ => {}
-        }
+        let family = self.kind.family();
+        (family.check)(self).map_err(ScheduleError::Config)?;
         if let Some(k) = self.bf_microbatches {
-            if self.kind != ScheduleKind::BreadthFirst {
+            if !family.breadth_first {
                 return err(format!(
                     "bf-microbatches applies to breadth-first only, not {name}; drop --bf-microbatches"
                 ));
@@ -185,7 +268,7 @@ impl ScheduleSpec {
                 ));
             }
         }
-        if self.placement == Placement::VShape && self.kind != ScheduleKind::BreadthFirst {
+        if self.placement == Placement::VShape && !family.breadth_first {
             return err(format!(
                 "the v-shape placement is generated for breadth-first only, not {name}; \
                  use --placement looping"
@@ -199,21 +282,9 @@ impl ScheduleSpec {
         self.check()?;
         let stage_ranks = self.placement.stage_ranks(self.pp, self.loops);
         let local = rank_stages(&stage_ranks, self.pp);
+        let generate = self.kind.family().generate;
         let ranks = (0..self.pp)
-            .map(|rank| match self.kind {
-                ScheduleKind::GPipe => gpipe(local[rank][0], self.microbatches),
-                ScheduleKind::OneFOneB => {
-                    one_f_one_b(local[rank][0], self.pp, rank, self.microbatches)
-                }
-                ScheduleKind::Interleaved => {
-                    interleaved(&local[rank], self.pp, rank, self.microbatches)
-                }
-                ScheduleKind::BreadthFirst => breadth_first(
-                    &local[rank],
-                    self.microbatches,
-                    self.bf_microbatches.unwrap_or(self.microbatches),
-                ),
-            })
+            .map(|rank| generate(self, rank, &local[rank]))
             .collect();
         Ok(PipelineSchedule {
             stage_ranks,
@@ -301,6 +372,29 @@ mod tests {
             .map(|a| a.to_string())
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    #[test]
+    fn every_kind_has_one_registry_entry_and_its_names_parse() {
+        assert_eq!(REGISTRY.len(), ScheduleKind::ALL.len());
+        for (family, kind) in REGISTRY.iter().zip(ScheduleKind::ALL) {
+            assert_eq!(family.kind, kind, "REGISTRY lists the kinds in ALL's order");
+            assert_eq!(kind.family().name, family.name);
+            for name in std::iter::once(&family.name).chain(family.aliases) {
+                assert_eq!(name.parse::<ScheduleKind>().unwrap(), kind, "{name}");
+                assert_eq!(name.to_uppercase().parse::<ScheduleKind>().unwrap(), kind);
+            }
+            let spec = ScheduleSpec::new(kind, 2, family.default_loops, 4);
+            assert!(spec.generate().is_ok(), "{kind} at its default loops");
+        }
+        let err = "zero-bubble"
+            .parse::<ScheduleKind>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("gpipe, 1f1b, interleaved, breadth-first"),
+            "{err}"
+        );
     }
 
     #[test]

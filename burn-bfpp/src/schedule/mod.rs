@@ -14,6 +14,7 @@ mod grid;
 mod lower_dp;
 mod lower_p2p;
 mod placement;
+mod program;
 mod replay;
 mod validate;
 
@@ -26,6 +27,7 @@ pub use lower_dp::{
 };
 pub use lower_p2p::lower_p2p;
 pub use placement::{rank_stages, split_layers, LayerSplit, Placement};
+pub use program::{Program, ProgramSpec, DEFAULT_BUFFERS};
 pub use replay::{replay, unit_cost, Blocked, ReplayOutcome, SendMode, TimedAction, Timeline};
 pub use validate::{validate, ValidationReport};
 

@@ -54,7 +54,7 @@
 //!
 //! # Strategies: bfpp against Megatron-LM
 //! The paper compares two ways of running data parallelism around a pipeline; both are
-//! lowering choices over the same lists ([`Strategy`], [`build_schedule`]), not special cases
+//! lowering choices over the same lists ([`Strategy`], [`build_program`]), not special cases
 //! in the engine:
 //! - **bfpp**: the lowering of [`lower_data_parallel`](crate::schedule::lower_data_parallel)
 //!   — each stage's gradients are reduced right after its last backward, overlapping the
@@ -95,7 +95,7 @@ pub use hardware::{HardwareConfig, HARDWARE_PRESETS};
 pub use memory::static_bytes;
 pub use model::{Dtype, GptShape, ModelConfig, UnitModel, MODEL_PRESETS};
 pub use result::{Interval, MemoryLog, RankTrace, SimResult, TraceItem, JSON_KEYS};
-pub use strategy::{build_schedule, megatron_collectives, Strategy};
+pub use strategy::{build_program, megatron_collectives, simulate_program, Strategy};
 pub use volume::{
     collective_bytes, gradient_reduction, step_comm_bytes, CollectiveKind, CommBytes,
 };
@@ -152,7 +152,8 @@ pub struct SimConfig {
     /// Element type of the data-parallel gradient reduction; `None`: `dtype`. burn-bfpp's
     /// engine reduces in fp32 whatever the compute dtype: set `fp32` to model it.
     pub grad_reduce_dtype: Option<Dtype>,
-    /// Full-size gradient buffers per rank at ZeRO-2/3; must match the lowering.
+    /// Full-size gradient buffers per rank at ZeRO-2/3; must match the lowering
+    /// ([`simulate_program`] takes the program's own).
     pub grad_buffers: usize,
     /// Whether a rank's communication overlaps its compute (GPUs with their own copy
     /// engines and NCCL streams) or runs on the same thread (the CPU engine).

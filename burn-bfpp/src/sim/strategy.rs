@@ -5,11 +5,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::schedule::{
-    lower_data_parallel, lower_p2p, Action, ActionKind, DataParallelLowering, PipelineSchedule,
-    ScheduleKind, ScheduleSpec, ZeroLevel,
+    Action, ActionKind, PipelineSchedule, Program, ProgramSpec, ScheduleKind, ZeroLevel,
 };
 
-use super::{SimConfig, SimError};
+use super::{simulate, SimConfig, SimError, SimResult};
 
 /// How the data-parallel collectives are placed around the pipeline schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -89,21 +88,29 @@ impl FromStr for Strategy {
     }
 }
 
-/// Generate, lower (p2p, then data parallelism at `zero` with the default two buffers) and,
-/// for Megatron-LM, move the collectives to the step boundary: the lists the simulator and
-/// the executor run.
-pub fn build_schedule(
-    spec: &ScheduleSpec,
-    zero: ZeroLevel,
-    strategy: Strategy,
-) -> Result<PipelineSchedule, SimError> {
-    strategy.check(spec.kind, zero)?;
-    let compute = spec.generate()?;
-    let lowered = lower_data_parallel(&lower_p2p(&compute)?, &DataParallelLowering::new(zero))?;
-    match strategy {
-        Strategy::Bfpp => Ok(lowered),
-        Strategy::Megatron => megatron_collectives(&lowered),
+/// Compile `spec` on the one compile path ([`ProgramSpec::compile`]) and, for Megatron-LM,
+/// move the collectives to the step boundary: the programs the simulator runs (the engine
+/// runs the same ones, without the Megatron-LM pass). The report is the validator's on the
+/// programs before that pass.
+pub fn build_program(spec: &ProgramSpec, strategy: Strategy) -> Result<Program, SimError> {
+    strategy.check(spec.schedule.kind, spec.zero)?;
+    let mut program = spec.compile()?;
+    if strategy == Strategy::Megatron {
+        program.lowered = megatron_collectives(&program.lowered)?;
     }
+    Ok(program)
+}
+
+/// Simulate one step of a compiled program: the ZeRO level and the gradient buffers are the
+/// program's own (the configuration's are replaced), so the simulator cannot assume other
+/// buffers than the lowering placed its collectives for.
+pub fn simulate_program(program: &Program, cfg: &SimConfig) -> Result<SimResult, SimError> {
+    let cfg = SimConfig {
+        zero: program.spec.zero,
+        grad_buffers: program.spec.buffers,
+        ..cfg.clone()
+    };
+    simulate(&program.lowered, &cfg)
 }
 
 /// Megatron-LM's step boundary as a pass over a ZeRO-0/1 lowered schedule: every

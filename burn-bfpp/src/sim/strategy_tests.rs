@@ -1,8 +1,17 @@
 //! Checks of the Megatron-LM lowering, of the strategy rules, and of the memory log.
 
 use super::*;
-use crate::schedule::{validate, ActionKind, ScheduleKind, ScheduleSpec, ZeroLevel};
+use crate::schedule::{validate, ActionKind, ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel};
 use crate::viz::MemorySeries;
+
+/// The lowered programs of `spec` at `zero` with the default buffers.
+fn build_schedule(
+    spec: &ScheduleSpec,
+    zero: ZeroLevel,
+    strategy: Strategy,
+) -> Result<crate::schedule::PipelineSchedule, SimError> {
+    build_program(&ProgramSpec::new(spec.clone(), zero), strategy).map(|p| p.lowered)
+}
 
 fn gpt_cfg(model: &str, dp: usize, zero: ZeroLevel) -> SimConfig {
     let mut cfg = SimConfig::new(

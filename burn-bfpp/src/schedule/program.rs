@@ -1,0 +1,130 @@
+//! The one compile path from a schedule to the lowered per-rank programs: generate the
+//! compute order, add the point-to-point transfers, add the data-parallel collectives at the
+//! ZeRO level with the given buffers, and validate. The command line, the simulator and the
+//! engine all take a [`Program`], so none of them can lower differently.
+
+use super::{
+    lower_data_parallel, lower_p2p, validate, DataParallelLowering, PipelineSchedule,
+    ScheduleError, ScheduleSpec, ValidationReport, ZeroLevel,
+};
+
+/// Everything that decides the lowered per-rank programs of a step: the schedule and layout,
+/// the ZeRO level and the rotating full-size weight and gradient buffers per rank. (Whether
+/// stages recompute their forward does not change the programs: it changes what a forward
+/// keeps, which the engine and the simulator's memory model read from their own settings.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgramSpec {
+    /// The schedule family and layout (P, V, M, K, placement).
+    pub schedule: ScheduleSpec,
+    /// The ZeRO level over the data-parallel group.
+    pub zero: ZeroLevel,
+    /// Full-size gathered-weight and gradient buffers per rank (ZeRO-2/3; at least 1).
+    pub buffers: usize,
+}
+
+/// The default of rotating buffers of each kind: one in use and one being filled.
+pub const DEFAULT_BUFFERS: usize = 2;
+
+impl ProgramSpec {
+    /// `schedule` at `zero` with the default two buffers of each kind.
+    pub fn new(schedule: ScheduleSpec, zero: ZeroLevel) -> Self {
+        ProgramSpec {
+            schedule,
+            zero,
+            buffers: DEFAULT_BUFFERS,
+        }
+    }
+
+    /// The same with `buffers` weight and gradient buffers per rank.
+    pub fn with_buffers(mut self, buffers: usize) -> Self {
+        self.buffers = buffers;
+        self
+    }
+
+    /// The data-parallel lowering's settings.
+    pub fn lowering(&self) -> DataParallelLowering {
+        DataParallelLowering {
+            zero: self.zero,
+            weight_buffers: self.buffers,
+            grad_buffers: self.buffers,
+        }
+    }
+
+    /// Generate, lower and validate: the programs every consumer runs.
+    pub fn compile(&self) -> Result<Program, ScheduleError> {
+        let compute = self.schedule.generate()?;
+        let lowered = lower_data_parallel(&lower_p2p(&compute)?, &self.lowering())?;
+        let report = validate(&lowered)?;
+        Ok(Program {
+            spec: self.clone(),
+            compute,
+            lowered,
+            report,
+        })
+    }
+}
+
+/// A compiled step: the compute order, the lowered per-rank programs and the validator's
+/// report on them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Program {
+    /// What it was compiled from.
+    pub spec: ProgramSpec,
+    /// The compute actions only, in each rank's order (what `bfpp schedule --format
+    /// actions|grid` draws).
+    pub compute: PipelineSchedule,
+    /// The per-rank programs with transfers and collectives: what the simulator replays and
+    /// the engine executes.
+    pub lowered: PipelineSchedule,
+    /// The validator's report on `lowered` (makespan, bubble of the unit-cost replay).
+    pub report: ValidationReport,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::{ActionKind, ScheduleKind};
+
+    fn spec(zero: ZeroLevel, buffers: usize) -> ProgramSpec {
+        ProgramSpec::new(ScheduleSpec::new(ScheduleKind::BreadthFirst, 2, 2, 4), zero)
+            .with_buffers(buffers)
+    }
+
+    #[test]
+    fn compiles_the_same_programs_as_the_passes_run_by_hand() {
+        let s = spec(ZeroLevel::Zero3, 2);
+        let program = s.compile().unwrap();
+        let by_hand = lower_data_parallel(
+            &lower_p2p(&s.schedule.generate().unwrap()).unwrap(),
+            &DataParallelLowering::new(ZeroLevel::Zero3),
+        )
+        .unwrap();
+        assert_eq!(program.lowered, by_hand);
+        assert_eq!(program.compute, s.schedule.generate().unwrap());
+    }
+
+    #[test]
+    fn buffers_change_the_lowered_programs() {
+        let unshards = |p: &Program| {
+            p.lowered.ranks[0]
+                .iter()
+                .filter(|a| a.kind == ActionKind::Unshard)
+                .count()
+        };
+        let one = spec(ZeroLevel::Zero3, 1).compile().unwrap();
+        let four = spec(ZeroLevel::Zero3, 4).compile().unwrap();
+        // With one weight buffer each of a rank's two stages is gathered again for the
+        // backward; with four both stay resident, gathered once.
+        assert!(
+            unshards(&one) > unshards(&four),
+            "{} vs {}",
+            unshards(&one),
+            unshards(&four)
+        );
+    }
+
+    #[test]
+    fn zero_buffers_are_refused() {
+        assert!(spec(ZeroLevel::Zero3, 0).compile().is_err());
+    }
+}
