@@ -15,8 +15,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn_bfpp::schedule::{
-    from_csv, render_actions, render_grid, to_csv, validate, Placement, ProgramSpec, ScheduleKind,
-    ScheduleSpec, ZeroLevel,
+    from_csv, render_actions, render_grid, to_csv, to_csv_with, validate, CsvNaming, Placement,
+    ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel,
 };
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -158,6 +158,9 @@ enum Format {
     Grid,
     /// The lowered schedule, one CSV line per rank (PyTorch pipelining's layout).
     Csv,
+    /// The same in PyTorch's earlier naming (`B` input-only backward, `BW` full backward),
+    /// for tools that read only that one.
+    CsvLegacy,
     /// Parameters, timing, lowered action lists and collective counts.
     Json,
 }
@@ -214,6 +217,7 @@ fn run_schedule(args: &ScheduleArgs) -> Result<(), CliError> {
         Format::Actions => render_actions(&program.compute),
         Format::Grid => render_grid(&program.compute)?,
         Format::Csv => to_csv(&program.lowered),
+        Format::CsvLegacy => to_csv_with(&program.lowered, CsvNaming::Legacy),
         Format::Json => cli::json_summary(
             &program.spec.schedule,
             args.zero,

@@ -192,6 +192,36 @@ fn csv_output_round_trips_through_validate() {
     );
 }
 
+/// PyTorch's earlier naming (`BW` for a full backward) reads back as the same schedule.
+#[test]
+fn legacy_csv_output_validates_like_the_current_one() {
+    let validate = |format: &str| {
+        let path = temp_file(&format!("naming-{format}.csv"), None);
+        let file = path.to_str().unwrap();
+        let args = [
+            "schedule",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--format",
+            format,
+        ];
+        let out = bfpp(&[&args[..], &["--output", file]].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        let csv = std::fs::read_to_string(&path).unwrap();
+        let out = bfpp(&["validate", file]);
+        let _ = std::fs::remove_file(&path);
+        assert!(out.status.success(), "{format}: {}", stderr(&out));
+        (csv, stdout(&out))
+    };
+    let (current, current_report) = validate("csv");
+    let (legacy, legacy_report) = validate("csv-legacy");
+    assert!(legacy.contains("BW") && !current.contains("BW"), "{legacy}");
+    assert_eq!(legacy.replace("BW", "B"), current);
+    assert_eq!(legacy_report, current_report);
+}
+
 #[test]
 fn json_summary_has_the_documented_keys() {
     let out = bfpp(&[

@@ -4,17 +4,47 @@
 //! rank `r`'s actions in order, and idle slots of a compute-only schedule are empty cells. This
 //! module writes the same layout without idle slots and reads both forms: cells are trimmed,
 //! optional surrounding double quotes are removed, and empty cells are skipped.
+//!
+//! PyTorch has named the backward actions in two generations. The current one (since its
+//! `_ComputationType` gained `BACKWARD_INPUT`/`FULL_BACKWARD`) writes `I` for the input-only
+//! backward, `W` for the weight backward and `B` for the full backward; the earlier one wrote
+//! `B` for the backward (input-only when a `W` of the same stage and micro-batch follows),
+//! `W` for the weight backward and `BW` for the full backward. [`from_csv`] reads both (a `B`
+//! with a `W` of its own stage and micro-batch on its rank is the input-only backward, which
+//! no current file can mean otherwise, since there a `W` needs an `I`); [`to_csv_with`]
+//! writes either.
 
-use super::{Action, PipelineSchedule, ScheduleError};
+use super::{Action, ActionKind, PipelineSchedule, ScheduleError};
 
-/// Write one line per rank, actions separated by commas.
+/// Which generation of PyTorch's action names a schedule CSV uses for the backward actions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CsvNaming {
+    /// `I` input-only backward, `W` weight backward, `B` full backward (PyTorch today).
+    #[default]
+    Current,
+    /// `B` input-only backward (followed by its `W`), `W` weight backward, `BW` full
+    /// backward (PyTorch's earlier zero-bubble files).
+    Legacy,
+}
+
+/// Write one line per rank, actions separated by commas, in PyTorch's current naming.
 ///
 /// A rank without actions is an empty line; the text ends with a newline. Communication and
 /// collectives are written like compute actions (`1SEND_F0`, `4UNSHARD`).
 pub fn to_csv(schedule: &PipelineSchedule) -> String {
+    to_csv_with(schedule, CsvNaming::Current)
+}
+
+/// [`to_csv`] in the given naming generation.
+pub fn to_csv_with(schedule: &PipelineSchedule, naming: CsvNaming) -> String {
+    let cell = |a: &Action| match (naming, a.kind) {
+        (CsvNaming::Legacy, ActionKind::BackwardInput) => format!("{}B{}", a.stage, a.mb()),
+        (CsvNaming::Legacy, ActionKind::Backward) => format!("{}BW{}", a.stage, a.mb()),
+        _ => a.to_string(),
+    };
     let mut out = String::new();
     for list in &schedule.ranks {
-        let row: Vec<String> = list.iter().map(Action::to_string).collect();
+        let row: Vec<String> = list.iter().map(cell).collect();
         out.push_str(&row.join(","));
         out.push('\n');
     }
@@ -49,16 +79,56 @@ fn parse_row(line: usize, row: &str) -> Result<Vec<Action>, ScheduleError> {
         if cell.is_empty() {
             continue;
         }
-        let action = cell
-            .parse::<Action>()
-            .map_err(|source| ScheduleError::Csv {
-                line,
-                column: i + 1,
-                source: Box::new(source),
-            })?;
+        let action = parse_cell(cell).map_err(|source| ScheduleError::Csv {
+            line,
+            column: i + 1,
+            source: Box::new(source),
+        })?;
         actions.push(action);
     }
-    Ok(actions)
+    Ok(earlier_backwards_as_input_only(actions))
+}
+
+/// One action, in either naming generation (`BW` is the earlier full backward).
+fn parse_cell(cell: &str) -> Result<Action, ScheduleError> {
+    let unsupported = |reason: &str| ScheduleError::ParseAction {
+        text: cell.to_string(),
+        reason: reason.to_string(),
+    };
+    if cell.starts_with('(') {
+        return Err(unsupported(
+            "a composite action (DualPipeV's `(…;…)OVERLAP_F_B` pair) is not supported yet; \
+             write its two actions one after the other",
+        ));
+    }
+    if cell.contains("SEND_F_RECV_B") || cell.contains("SEND_B_RECV_F") {
+        return Err(unsupported(
+            "PyTorch's earlier combined send/receive actions are not supported; write the \
+             SEND and the RECV as two actions",
+        ));
+    }
+    let digits = cell.find(|c: char| !c.is_ascii_digit()).unwrap_or(0);
+    if let Some(mb) = cell[digits..].strip_prefix("BW") {
+        let as_full = format!("{}B{mb}", &cell[..digits]);
+        return as_full.parse::<Action>();
+    }
+    cell.parse()
+}
+
+/// A rank's `B` whose stage and micro-batch also have a `W` on that rank is the earlier
+/// naming's input-only backward.
+fn earlier_backwards_as_input_only(mut actions: Vec<Action>) -> Vec<Action> {
+    let weights: std::collections::HashSet<(usize, usize)> = actions
+        .iter()
+        .filter(|a| a.kind == ActionKind::BackwardWeight)
+        .map(|a| (a.stage, a.mb()))
+        .collect();
+    for a in &mut actions {
+        if a.kind == ActionKind::Backward && weights.contains(&(a.stage, a.mb())) {
+            a.kind = ActionKind::BackwardInput;
+        }
+    }
+    actions
 }
 
 fn unquote(cell: &str) -> &str {
@@ -175,6 +245,71 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("line 2") && msg.contains("column 3"), "{msg}");
         assert!(msg.contains("1X0"), "{msg}");
+    }
+
+    /// A 1F1B schedule whose backwards are split into `I` then `W`, the weight passes of the
+    /// first micro-batches postponed to the end (as zero-bubble schedules do), plus one full
+    /// backward, so that both generations' every backward name occurs.
+    fn split_backward_schedule() -> PipelineSchedule {
+        let mut s = ScheduleSpec::new(ScheduleKind::OneFOneB, 2, 1, 3)
+            .generate()
+            .unwrap();
+        for list in &mut s.ranks {
+            let mut out = Vec::new();
+            let mut postponed = Vec::new();
+            for &a in list.iter() {
+                if a.kind == ActionKind::Backward && a.mb() < 2 {
+                    out.push(Action::new(a.stage, ActionKind::BackwardInput, a.mb()));
+                    postponed.push(Action::new(a.stage, ActionKind::BackwardWeight, a.mb()));
+                } else {
+                    out.push(a);
+                }
+            }
+            out.extend(postponed);
+            *list = out;
+        }
+        s
+    }
+
+    #[test]
+    fn both_backward_namings_round_trip() {
+        let schedule = split_backward_schedule();
+        let current = to_csv(&schedule);
+        assert!(
+            current.starts_with("0F0,0F1,0I0,0F2,0I1,0B2,0W0,0W1\n"),
+            "{current}"
+        );
+        let legacy = to_csv_with(&schedule, CsvNaming::Legacy);
+        assert!(
+            legacy.starts_with("0F0,0F1,0B0,0F2,0B1,0BW2,0W0,0W1\n"),
+            "{legacy}"
+        );
+        assert_eq!(from_csv(&current).unwrap(), schedule);
+        assert_eq!(from_csv(&legacy).unwrap(), schedule);
+        // A generated schedule without weight passes reads the same in both.
+        let plain = ScheduleSpec::new(ScheduleKind::BreadthFirst, 2, 2, 4)
+            .generate()
+            .unwrap();
+        let legacy = to_csv_with(&plain, CsvNaming::Legacy);
+        assert!(legacy.contains("BW"), "{legacy}");
+        assert_eq!(from_csv(&legacy).unwrap(), plain);
+    }
+
+    #[test]
+    fn unsupported_pytorch_actions_name_line_column_and_fix() {
+        let msg = from_csv("0F0,(0F1;1B0)OVERLAP_F_B,0B1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("line 1") && msg.contains("column 2"), "{msg}");
+        assert!(
+            msg.contains("OVERLAP_F_B") && msg.contains("one after the other"),
+            "{msg}"
+        );
+        let msg = from_csv("0F0\n1SEND_B_RECV_F0\n").unwrap_err().to_string();
+        assert!(
+            msg.contains("line 2") && msg.contains("two actions"),
+            "{msg}"
+        );
     }
 
     #[test]

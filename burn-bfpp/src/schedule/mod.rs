@@ -19,7 +19,7 @@ mod replay;
 mod validate;
 
 pub use action::{Action, ActionKind, TimedEvent};
-pub use csv::{from_csv, to_csv};
+pub use csv::{from_csv, to_csv, to_csv_with, CsvNaming};
 pub use generate::{ScheduleKind, ScheduleSpec};
 pub use grid::{render_actions, render_grid};
 pub use lower_dp::{
