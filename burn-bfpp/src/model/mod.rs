@@ -15,12 +15,12 @@
 //!
 //! Stages are cut from a model built once, so they share its parameter values and
 //! [`ParamId`](burn::module::ParamId)s by construction: a pipelined run starts from exactly the
-//! model a single-device run starts from, and [`recombine`] puts trained stages back into it.
-//! [`flatten_params`], [`load_flat`] and [`flatten_grads`] move a stage's parameters and
-//! gradients to and from one 1-D buffer for sharding. The [`autodiff`] module documents the
-//! per-stage backward recipe, including what any engine must follow with Burn 0.21's
-//! autodiff: run each micro-batch's forward on [`fresh_leaves`] of its stage, and never share
-//! an autodiff node between threads. [`Gpt`] is the reference model.
+//! model a single-device run starts from, and the engine puts trained stages back into it.
+//! [`flatten_params`], [`load_flat`] and [`autodiff::flatten_grads`] move a stage's
+//! parameters and gradients to and from one 1-D buffer for sharding. The [`autodiff`] module
+//! documents the per-stage backward recipe, including what any engine must follow with Burn
+//! 0.21's autodiff: run each micro-batch's forward on [`autodiff::fresh_leaves`] of its
+//! stage, and never share an autodiff node between threads. [`Gpt`] is the reference model.
 
 pub mod autodiff;
 mod error;
@@ -39,16 +39,15 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-pub use autodiff::{
+// The engine's autodiff and parameter plumbing: internal, the executor is their only user.
+pub(crate) use autodiff::{
     flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward, stage_backward,
 };
 pub use error::ModelError;
 pub use gpt::{FusedMode, Gpt, GptConfig, GptStage};
-pub use params::{
-    flatten_params, load_flat, load_flat_shaped, materialize, param_shapes, recombine,
-    release_params,
-};
-pub use placement::{module_to_device, tensor_to_device};
+pub use params::{flatten_params, load_flat, materialize, param_shapes};
+pub(crate) use params::{load_flat_shaped, recombine, release_params};
+pub(crate) use placement::{module_to_device, tensor_to_device};
 pub use stack::{LayerStack, StackBlock, StackHead, StackInput, StackStage};
 
 /// Held while a model draws its initial parameters. Burn backends keep one process-wide
