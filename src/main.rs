@@ -210,7 +210,7 @@ fn run_schedule(args: &ScheduleArgs) -> Result<(), CliError> {
         placement: args.placement.into(),
     };
     let zero = ZeroLevel::from_number(args.zero)?;
-    let program = ProgramSpec::new(spec, zero)
+    let program = ProgramSpec::new(spec.clone(), zero)
         .with_buffers(args.buffers)
         .compile()?;
     let text = match args.format {
@@ -219,7 +219,7 @@ fn run_schedule(args: &ScheduleArgs) -> Result<(), CliError> {
         Format::Csv => to_csv(&program.lowered),
         Format::CsvLegacy => to_csv_with(&program.lowered, CsvNaming::Legacy),
         Format::Json => cli::json_summary(
-            &program.spec.schedule,
+            &spec,
             args.zero,
             args.buffers,
             &program.lowered,

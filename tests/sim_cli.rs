@@ -408,3 +408,76 @@ fn buffers_change_the_simulated_program_and_its_memory() {
         assert_fails_with(&args, &["--buffers must be at least 1"]);
     }
 }
+
+/// `--schedule-file` simulates a schedule CSV as the generated schedule it was written from
+/// (in either PyTorch naming), takes the layout from the file, and refuses a layout flag
+/// that disagrees with it.
+#[test]
+fn a_schedule_file_simulates_like_the_schedule_it_was_written_from() {
+    let layout = [
+        "--pp",
+        "2",
+        "--loops",
+        "2",
+        "--microbatches",
+        "4",
+        "--zero",
+        "3",
+    ];
+    let generated = json(
+        &[
+            &[
+                "simulate",
+                "--model",
+                "unit",
+                "--schedule",
+                "breadth-first",
+                "--json",
+            ][..],
+            &layout,
+        ]
+        .concat(),
+    );
+    for format in ["csv", "csv-legacy"] {
+        let path = temp(&format!("file-{format}.csv"));
+        let file = path.to_str().expect("a UTF-8 temporary path");
+        ok(&[
+            &["schedule", "--format", format, "--output", file][..],
+            &layout,
+        ]
+        .concat());
+        let from_file = json(&[
+            "simulate",
+            "--model",
+            "unit",
+            "--zero",
+            "3",
+            "--schedule-file",
+            file,
+            "--json",
+        ]);
+        assert_eq!(from_file, generated, "{format}");
+        assert_fails_with(
+            &["simulate", "--schedule-file", file, "--pp", "3"],
+            &["--pp 3 disagrees", "drop --pp"],
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+    // A compute-only file with PyTorch's idle cells.
+    let path = temp("idle.csv");
+    std::fs::write(&path, "0F0,0F1,,,0B0,0B1\n,1F0,1F1,1B0,1B1,\n").expect("writable");
+    let file = path.to_str().expect("a UTF-8 temporary path");
+    let doc = json(&[
+        "simulate",
+        "--model",
+        "unit",
+        "--schedule-file",
+        file,
+        "--json",
+    ]);
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        doc["step_time_s"].as_f64().is_some_and(|t| t > 0.0),
+        "{doc}"
+    );
+}

@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use burn_bfpp::schedule::{
-    Placement, ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel, DEFAULT_BUFFERS,
+    from_csv, PipelineSchedule, Placement, Program, ProgramSpec, ScheduleKind, ScheduleSpec,
+    ZeroLevel, DEFAULT_BUFFERS,
 };
 use burn_bfpp::sim::{
     build_program, simulate_program, HardwareConfig, ModelConfig, SimConfig, SimError, SimResult,
@@ -30,9 +31,9 @@ pub struct SimulateArgs {
     /// Schedule: gpipe, 1f1b, interleaved (depth-first) or breadth-first.
     #[arg(long, default_value = "breadth-first")]
     pub schedule: ScheduleKind,
-    /// Pipeline ranks P.
-    #[arg(long, default_value_t = 4)]
-    pub pp: usize,
+    /// Pipeline ranks P [default: 4].
+    #[arg(long)]
+    pub pp: Option<usize>,
     /// Stages per pipeline rank V [default: 1 for gpipe and 1f1b, 2 otherwise].
     #[arg(long)]
     pub loops: Option<usize>,
@@ -42,12 +43,22 @@ pub struct SimulateArgs {
     /// Tensor-parallel size T (simulated as a cost only).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
-    /// Micro-batches per step and replica M.
-    #[arg(long, default_value_t = 8)]
-    pub microbatches: usize,
+    /// Micro-batches per step and replica M [default: 8].
+    #[arg(long)]
+    pub microbatches: Option<usize>,
     /// Breadth-first micro-batches per sweep K (must divide M) [default: M].
     #[arg(long)]
     pub bf_microbatches: Option<usize>,
+    /// Simulate this schedule CSV (written by `bfpp schedule` or by PyTorch's pipelining, in
+    /// either naming) instead of a generated one: P, V and M come from the file, and a --pp,
+    /// --loops or --microbatches that disagrees is refused; its transfers and collectives are
+    /// placed again for --zero and --buffers.
+    #[arg(
+        long,
+        value_name = "FILE.csv",
+        conflicts_with_all = ["bf_microbatches", "strategy"]
+    )]
+    pub schedule_file: Option<PathBuf>,
     /// Samples per micro-batch.
     #[arg(long, default_value_t = 1)]
     pub micro_batch_size: usize,
@@ -178,29 +189,53 @@ pub fn run(args: &SimulateArgs) -> Result<(), CliError> {
         args.recompute,
     )?;
     args.strategy.check_config(&cfg)?;
-    let kind = args.schedule;
-    let loops = args.loops.unwrap_or(kind.family().default_loops);
-    let spec = ScheduleSpec {
-        kind,
-        pp: args.pp,
-        loops,
-        microbatches: args.microbatches,
-        bf_microbatches: args.bf_microbatches,
-        placement: Placement::Looping,
+    let (program, pp, layout) = match &args.schedule_file {
+        Some(path) => {
+            let compute = read_schedule_file(path, args)?;
+            let pp = compute.num_ranks();
+            let layout = format!(
+                "{}: pp={pp} stages={} M={}",
+                path.display(),
+                compute.num_stages(),
+                compute.microbatches
+            );
+            let program =
+                Program::lower(compute, zero, args.buffers).map_err(|source| CliError::InFile {
+                    path: path.clone(),
+                    source,
+                })?;
+            (program, pp, layout)
+        }
+        None => {
+            let kind = args.schedule;
+            let loops = args.loops.unwrap_or(kind.family().default_loops);
+            let spec = ScheduleSpec {
+                kind,
+                pp: args.pp.unwrap_or(4),
+                loops,
+                microbatches: args.microbatches.unwrap_or(8),
+                bf_microbatches: args.bf_microbatches,
+                placement: Placement::Looping,
+            };
+            let layout = format!(
+                "{kind} pp={} loops={loops} M={}",
+                spec.pp, spec.microbatches
+            );
+            let pp = spec.pp;
+            let program = build_program(
+                &ProgramSpec::new(spec, zero).with_buffers(args.buffers),
+                args.strategy,
+            )?;
+            (program, pp, layout)
+        }
     };
-    let program = build_program(
-        &ProgramSpec::new(spec, zero).with_buffers(args.buffers),
-        args.strategy,
-    )?;
     let result = simulate_program(&program, &cfg)?;
     let title = format!(
-        "{} on {}: {kind} pp={} loops={loops} dp={} tp={} M={} mbs={} ZeRO-{} ({})",
+        "{} on {}: {layout} dp={} tp={} mbs={} ZeRO-{} ({})",
         args.model,
         args.hardware,
-        args.pp,
         args.dp,
         args.tp,
-        args.microbatches,
         args.micro_batch_size,
         zero.number(),
         args.strategy
@@ -228,9 +263,43 @@ pub fn run(args: &SimulateArgs) -> Result<(), CliError> {
     let text = if args.json {
         format!("{:#}\n", result.to_json())
     } else {
-        summary(&title, &cfg, args.pp, &result)
+        summary(&title, &cfg, pp, &result)
     };
     write_output(None, &text)
+}
+
+/// The compute order of a schedule file; a layout flag that disagrees with it is refused.
+fn read_schedule_file(path: &Path, args: &SimulateArgs) -> Result<PipelineSchedule, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let schedule = from_csv(&text).map_err(|source| CliError::InFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (pp, stages, m) = (
+        schedule.num_ranks(),
+        schedule.num_stages(),
+        schedule.microbatches,
+    );
+    let disagree = |flag: &str, given: usize, file: usize| {
+        CliError::Sim(SimError::Config(format!(
+            "--{flag} {given} disagrees with {}, which has {flag} = {file}: drop --{flag} (the \
+             file sets it)",
+            path.display()
+        )))
+    };
+    if let Some(given) = args.pp.filter(|&p| p != pp) {
+        return Err(disagree("pp", given, pp));
+    }
+    if let Some(given) = args.microbatches.filter(|&g| g != m) {
+        return Err(disagree("microbatches", given, m));
+    }
+    if let Some(given) = args.loops.filter(|&v| v * pp != stages) {
+        return Err(disagree("loops", given, stages / pp.max(1)));
+    }
+    Ok(schedule)
 }
 
 /// Bytes as GiB with two decimals.

@@ -52,15 +52,7 @@ impl ProgramSpec {
 
     /// Generate, lower and validate: the programs every consumer runs.
     pub fn compile(&self) -> Result<Program, ScheduleError> {
-        let compute = self.schedule.generate()?;
-        let lowered = lower_data_parallel(&lower_p2p(&compute)?, &self.lowering())?;
-        let report = validate(&lowered)?;
-        Ok(Program {
-            spec: self.clone(),
-            compute,
-            lowered,
-            report,
-        })
+        Program::lower(self.schedule.generate()?, self.zero, self.buffers)
     }
 }
 
@@ -68,8 +60,10 @@ impl ProgramSpec {
 /// report on them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Program {
-    /// What it was compiled from.
-    pub spec: ProgramSpec,
+    /// The ZeRO level the collectives were placed for.
+    pub zero: ZeroLevel,
+    /// The weight and gradient buffers per rank the collectives were placed for.
+    pub buffers: usize,
     /// The compute actions only, in each rank's order (what `bfpp schedule --format
     /// actions|grid` draws).
     pub compute: PipelineSchedule,
@@ -78,6 +72,34 @@ pub struct Program {
     pub lowered: PipelineSchedule,
     /// The validator's report on `lowered` (makespan, bubble of the unit-cost replay).
     pub report: ValidationReport,
+}
+
+impl Program {
+    /// The second half of [`ProgramSpec::compile`], for a compute order that was not
+    /// generated (a schedule file): add the transfers and the collectives at `zero` with
+    /// `buffers`, and validate. Transfers and collectives already in `compute` are dropped and
+    /// placed again, so a file lowered elsewhere runs as this crate would have lowered it.
+    pub fn lower(
+        compute: PipelineSchedule,
+        zero: ZeroLevel,
+        buffers: usize,
+    ) -> Result<Program, ScheduleError> {
+        let compute = compute.compute_only();
+        let lowering = DataParallelLowering {
+            zero,
+            weight_buffers: buffers,
+            grad_buffers: buffers,
+        };
+        let lowered = lower_data_parallel(&lower_p2p(&compute)?, &lowering)?;
+        let report = validate(&lowered)?;
+        Ok(Program {
+            zero,
+            buffers,
+            compute,
+            lowered,
+            report,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -101,6 +123,10 @@ mod tests {
         .unwrap();
         assert_eq!(program.lowered, by_hand);
         assert_eq!(program.compute, s.schedule.generate().unwrap());
+        // A lowered schedule lowers again to itself: what a schedule file written by
+        // `bfpp schedule --format csv` runs as.
+        let again = Program::lower(program.lowered.clone(), ZeroLevel::Zero3, 2).unwrap();
+        assert_eq!(again, program);
     }
 
     #[test]

@@ -106,8 +106,8 @@ pub fn build_program(spec: &ProgramSpec, strategy: Strategy) -> Result<Program, 
 /// buffers than the lowering placed its collectives for.
 pub fn simulate_program(program: &Program, cfg: &SimConfig) -> Result<SimResult, SimError> {
     let cfg = SimConfig {
-        zero: program.spec.zero,
-        grad_buffers: program.spec.buffers,
+        zero: program.zero,
+        grad_buffers: program.buffers,
         ..cfg.clone()
     };
     simulate(&program.lowered, &cfg)
