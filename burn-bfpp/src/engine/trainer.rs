@@ -193,7 +193,9 @@ impl<'a, Dv: Clone> Trainer<'a, ThreadsOn<Dv>> {
         M::Stage: Send,
         D: DataSource<B>,
     {
-        let (engine, _) = self.prepare()?;
+        // Only the layout and the communication settings: the programs are compiled once,
+        // by the communicator world's `fit` below.
+        let engine = self.config.engine()?;
         let grid = RankGrid::new(engine.pp, engine.dp)?;
         let comms: Vec<LocalComm<B::InnerBackend>> =
             LocalComm::create_with_devices(grid, self.world.0.clone(), engine.comm_config())?;

@@ -129,7 +129,6 @@ impl Layout {
         cfg.micro_batch_size = self.micro_batch_size;
         cfg.zero = self.zero;
         cfg.recompute = self.recompute;
-        cfg.grad_buffers = req.buffers;
         cfg.check()?;
         Ok(cfg)
     }

@@ -41,15 +41,6 @@ impl ProgramSpec {
         self
     }
 
-    /// The data-parallel lowering's settings.
-    pub fn lowering(&self) -> DataParallelLowering {
-        DataParallelLowering {
-            zero: self.zero,
-            weight_buffers: self.buffers,
-            grad_buffers: self.buffers,
-        }
-    }
-
     /// Generate, lower and validate: the programs every consumer runs.
     pub fn compile(&self) -> Result<Program, ScheduleError> {
         Program::lower(self.schedule.generate()?, self.zero, self.buffers)
