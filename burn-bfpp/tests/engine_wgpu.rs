@@ -222,3 +222,19 @@ fn ranks_on_two_devices_match_single_device() {
     ];
     check_on_devices(&written_out, false, 1e-5, Some(devices));
 }
+
+/// A seed gives the same weights on every backend (they are drawn on the CPU and copied), so
+/// a wgpu run starts where the same run on Flex does; each backend's own generator would
+/// draw other values from the seed.
+#[test]
+fn a_seeded_model_has_the_weights_of_the_same_seed_on_the_cpu() {
+    use burn::backend::Flex;
+    let on_cpu = gpt()
+        .init_seeded::<Flex>(5, &Default::default())
+        .expect("valid config");
+    let cpu = burn_bfpp::model::flatten_params(&on_cpu)
+        .into_data()
+        .to_vec::<f32>()
+        .expect("f32");
+    assert_eq!(params(&model()), cpu);
+}

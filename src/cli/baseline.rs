@@ -52,10 +52,7 @@ pub fn run<B: CliBackend>(
 ) -> Result<Option<String>, TrainError> {
     let rates = train.lr.rates(train.steps).map_err(TrainError::Config)?;
     let dtype = train.precision.dtype();
-    let mut model = cast(
-        super::train::init_model::<B>(&cfg.model, cfg.run.seed, &device)?,
-        dtype,
-    );
+    let mut model = cast(cfg.model.init_seeded::<B>(cfg.run.seed, &device)?, dtype);
     let mut optim = train.adamw.init::<B, Gpt<B>>();
     let micro_batches = layout.dp * layout.microbatches;
     let tokens_per_step = layout.global_batch() * cfg.data.seq_len;

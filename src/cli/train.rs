@@ -9,15 +9,12 @@ use std::io;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use burn::backend::Flex;
-use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
 use burn_bfpp::checkpoint::CheckpointError;
 use burn_bfpp::data::{load_corpus, Batcher, DataError};
 use burn_bfpp::engine::{
     CheckpointSink, Checkpointing, EngineError, Fault, FaultKind, StepReport, Trainer,
 };
-use burn_bfpp::model::{flatten_params, load_flat, Gpt, GptConfig, ModelError};
+use burn_bfpp::model::ModelError;
 use burn_bfpp::schedule::ScheduleError;
 
 use super::args::TrainArgs;
@@ -140,20 +137,6 @@ pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
 }
 
 /// The fault from the environment, if the variable is set (and not empty).
-/// The GPT of `seed` on `device`. Its weights are drawn on the CPU (Burn's Flex backend) and
-/// copied over: each backend's random generator draws its own stream from one seed, and a
-/// run on any backend must start from the weights of the same run on the CPU (so that the
-/// losses of `--backend wgpu` or `cuda` can be checked against Flex's).
-pub fn init_model<B: Backend>(
-    config: &GptConfig,
-    seed: u64,
-    device: &B::Device,
-) -> Result<Gpt<B>, TrainError> {
-    let drawn = flatten_params(&config.init_seeded::<Flex>(seed, &Default::default())?);
-    let values = Tensor::<B, 1>::from_data(drawn.into_data(), device);
-    Ok(load_flat(config.init::<B>(device)?, &values)?)
-}
-
 fn fault_from_env() -> Result<Option<Fault>, TrainError> {
     match std::env::var(FAULT_ENV) {
         Ok(text) if !text.trim().is_empty() => parse_fault(&text).map(Some),
@@ -223,7 +206,7 @@ fn train_on<B: CliBackend>(
     }
     let world = B::join(request, &train)?;
     let device = world.home_device();
-    let model = init_model::<B>(&cfg.model, cfg.run.seed, &device)?;
+    let model = cfg.model.init_seeded::<B>(cfg.run.seed, &device)?;
     let steps = train.steps;
     let Prepared {
         model,

@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use burn::backend::Flex;
 use burn::module::{Initializer, Module};
 use burn::nn::{DropoutConfig, EmbeddingConfig, Gelu, LayerNormConfig, LinearConfig};
 use burn::tensor::backend::Backend;
@@ -15,11 +16,13 @@ use cubecl_kernels::FusedOps;
 use serde::{Deserialize, Serialize};
 
 use super::gpt_layers::{flash_head_dim, CausalSelfAttention, GptBlock, GptEmbedding, GptHead};
+use super::params::{flatten_params, load_flat};
 use super::Inputs;
 use super::{
     check_range, materialize, random_init_lock, ModelError, PipelineModel, PipelineStage,
     StageInput, StageOutput, Targets,
 };
+use crate::host_read::{self, ReadPurpose};
 
 /// The shape of a [`Gpt`]. Deserialises from JSON with every field optional (defaults below).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -266,18 +269,26 @@ impl GptConfig {
         Ok(model)
     }
 
-    /// [`init`](Self::init) after seeding the backend: the same seed gives the same model,
-    /// also when other threads build models at the same time (the seed and the draws after it
-    /// hold [`random_init_lock`]; other code drawing random numbers on the backend meanwhile
-    /// still takes draws from the sequence).
+    /// [`init`](Self::init) with the weights `seed` gives, the same on every backend: each
+    /// backend's generator draws its own stream from one seed, so the weights are drawn on the
+    /// CPU (Burn's Flex backend) and copied to `device`, and a run on wgpu or CUDA starts where
+    /// the same run on the CPU does. The same seed gives the same model also when other threads
+    /// build models at the same time (the seed and the draws after it hold
+    /// [`random_init_lock`]).
     pub fn init_seeded<B: Backend>(
         &self,
         seed: u64,
         device: &B::Device,
     ) -> Result<Gpt<B>, ModelError> {
-        let _draws = random_init_lock();
-        B::seed(device, seed);
-        self.init_drawing(device)
+        let drawn = {
+            let _draws = random_init_lock();
+            let cpu = Default::default();
+            Flex::seed(&cpu, seed);
+            flatten_params(&self.init_drawing::<Flex>(&cpu)?)
+        };
+        let values = host_read::read(drawn, ReadPurpose::Sync)
+            .map_err(|e| ModelError::Params(format!("reading the drawn weights: {e:?}")))?;
+        load_flat(self.init::<B>(device)?, &Tensor::from_data(values, device))
     }
 }
 
