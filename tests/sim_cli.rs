@@ -276,7 +276,16 @@ fn compare_reports_every_family() {
     names.sort_unstable();
     assert_eq!(
         names,
-        ["1f1b", "breadth-first", "depth-first", "gpipe", "megatron"]
+        [
+            "1f1b",
+            "breadth-first",
+            "breadth-first-zb",
+            "depth-first",
+            "gpipe",
+            "interleaved-zb",
+            "megatron",
+            "zb-h1"
+        ]
     );
     for (name, f) in families {
         assert!(f["tokens_per_s"].as_f64().unwrap() > 0.0, "{name}");

@@ -16,21 +16,34 @@ use burn_bfpp::model::{FusedMode, GptConfig, ModelSplit, PipelineModel};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
 use common::*;
 
+const ALL_ZERO: [ZeroLevel; 4] = [
+    ZeroLevel::Zero0,
+    ZeroLevel::Zero1,
+    ZeroLevel::Zero2,
+    ZeroLevel::Zero3,
+];
+
 /// Run every layout of `kind` and compare with the reference; report all failures at once.
 fn check_family(kind: ScheduleKind, loops: &[usize], bf: Option<usize>) {
+    check_grid(kind, &[1, 2, 4], loops, &ALL_ZERO, bf);
+}
+
+/// [`check_family`] on the given pipeline sizes and ZeRO levels.
+fn check_grid(
+    kind: ScheduleKind,
+    pps: &[usize],
+    loops: &[usize],
+    zeros: &[ZeroLevel],
+    bf: Option<usize>,
+) {
     let base = model();
     let mut failures = Vec::new();
     let mut runs = 0;
     for dp in [1, 2] {
         let (want_losses, want_params) = reference(dp);
-        for pp in [1, 2, 4] {
+        for &pp in pps {
             for &v in loops {
-                for zero in [
-                    ZeroLevel::Zero0,
-                    ZeroLevel::Zero1,
-                    ZeroLevel::Zero2,
-                    ZeroLevel::Zero3,
-                ] {
+                for &zero in zeros {
                     let mut cfg = config(kind, pp, v, dp, zero);
                     cfg.bf_microbatches = bf;
                     let outcome = train(&base, &cfg)
@@ -80,6 +93,45 @@ fn breadth_first_matches_single_device() {
 #[test]
 fn hybrid_matches_single_device() {
     check_family(ScheduleKind::BreadthFirst, &[1, 2], Some(2));
+}
+
+/// The split-backward (zero-bubble) schedules: `I` defers every `SplitLinear`'s weight
+/// gradient and `W` computes it later; the result must still be plain Burn's.
+const SPLIT_ZERO: [ZeroLevel; 2] = [ZeroLevel::Zero0, ZeroLevel::Zero3];
+
+#[test]
+fn zero_bubble_h1_matches_single_device() {
+    check_grid(ScheduleKind::ZeroBubbleH1, &[2, 4], &[1], &SPLIT_ZERO, None);
+}
+
+#[test]
+fn interleaved_zero_bubble_matches_single_device() {
+    check_grid(
+        ScheduleKind::InterleavedZeroBubble,
+        &[2, 4],
+        &[2],
+        &SPLIT_ZERO,
+        None,
+    );
+}
+
+#[test]
+fn breadth_first_zero_bubble_matches_single_device() {
+    check_grid(
+        ScheduleKind::BreadthFirstZeroBubble,
+        &[2, 4],
+        &[1, 2],
+        &SPLIT_ZERO,
+        None,
+    );
+    // The hybrid, with sweeps of two micro-batches.
+    check_grid(
+        ScheduleKind::BreadthFirstZeroBubble,
+        &[2],
+        &[2],
+        &SPLIT_ZERO,
+        Some(2),
+    );
 }
 
 #[test]

@@ -135,6 +135,14 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         }
     }
 
+    fn deferrable_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        tag: u64,
+    ) -> FloatTensor<Self> {
+        crate::deferred::autodiff_deferrable_matmul::<B, C>(x, w, tag)
+    }
+
     fn fused_linear_gelu(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

@@ -14,12 +14,14 @@
 mod api;
 mod autodiff;
 pub mod cube;
+mod deferred;
 mod error;
 pub mod memory;
 mod ops;
 pub mod reference;
 
 pub use api::{flash_attention, linear_cross_entropy, linear_gelu};
+pub use deferred::{defer_weight_grads, split_linear, DeferredWeightGrad};
 pub use error::FusedError;
 pub use ops::{FusedDefaults, FusedOps};
 

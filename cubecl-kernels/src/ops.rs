@@ -105,6 +105,18 @@ pub trait FusedOps: Backend {
         reference::linear_gelu::<Self>(x, w, b)
     }
 
+    /// `x · w` for `x` `[tokens, d_in]`, `w` `[d_in, d_out]`, whose weight gradient the
+    /// autodiff backend defers inside [`crate::defer_weight_grads`] (see
+    /// [`crate::split_linear`]); `tag` names the weight. Without autodiff it is a matmul.
+    fn deferrable_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        tag: u64,
+    ) -> FloatTensor<Self> {
+        let _ = tag;
+        Self::float_matmul(x, w)
+    }
+
     /// Backward of [`FusedOps::fused_linear_gelu`]: `(dx, dW, db)` from the output gradient.
     fn fused_linear_gelu_backward(
         x: FloatTensor<Self>,

@@ -27,9 +27,7 @@ pub mod train;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use burn_bfpp::schedule::{
-    PipelineSchedule, ScheduleError, ScheduleKind, ScheduleSpec, ValidationReport,
-};
+use burn_bfpp::schedule::{PipelineSchedule, ScheduleError, ScheduleSpec, ValidationReport};
 use serde_json::json;
 
 /// Everything a command can fail with; printed as `error: {this}` with exit code 1.
@@ -131,10 +129,11 @@ pub fn json_summary(
     lowered: &PipelineSchedule,
     report: &ValidationReport,
 ) -> String {
-    let bf_microbatches = match spec.kind {
-        ScheduleKind::BreadthFirst => Some(spec.bf_microbatches.unwrap_or(spec.microbatches)),
-        _ => None,
-    };
+    let bf_microbatches = spec
+        .kind
+        .family()
+        .breadth_first
+        .then(|| spec.bf_microbatches.unwrap_or(spec.microbatches));
     let ranks: Vec<Vec<String>> = lowered
         .ranks
         .iter()

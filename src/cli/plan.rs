@@ -90,14 +90,14 @@ fn candidate_json(c: &Candidate) -> Value {
 }
 
 const HEADER: &str =
-    "  family          tokens/s  tok/s/GPU    MFU  bubble  exp.dp s  peak GiB  layout";
+    "  family             tokens/s  tok/s/GPU    MFU  bubble  exp.dp s  peak GiB  layout";
 
 fn row(out: &mut String, label: &str, c: &Candidate, gpus: usize) {
     let s = &c.score;
     let l = &c.layout;
     let _ = writeln!(
         out,
-        "  {label:<13} {:>10.0} {:>10.1} {:>5.1}% {:>7.3} {:>9.4} {:>9} {}",
+        "  {label:<16} {:>10.0} {:>10.1} {:>5.1}% {:>7.3} {:>9.4} {:>9} {}",
         s.tokens_per_s,
         s.tokens_per_s / gpus as f64,
         100.0 * s.mfu,
@@ -193,7 +193,7 @@ pub fn run_compare(args: &CompareArgs) -> Result<(), CliError> {
             match plan.best_per_family.get(&f) {
                 Some(c) => row(&mut out, f.name(), c, req.gpus),
                 None => {
-                    let _ = writeln!(out, "  {:<13} no layout fits in memory", f.name());
+                    let _ = writeln!(out, "  {:<16} no layout fits in memory", f.name());
                 }
             }
         }

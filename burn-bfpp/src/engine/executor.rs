@@ -22,6 +22,7 @@ use crate::model::{
 };
 use crate::schedule::TimedEvent;
 use crate::schedule::{Action, ActionKind, ZeroLevel};
+use cubecl_kernels::{defer_weight_grads, DeferredWeightGrad};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
@@ -108,6 +109,8 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     out_grads: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
     to_send_forward: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
     to_send_backward: HashMap<(usize, usize), Tensor<Inner<B>, 3>>,
+    /// What an `I` kept for its `W`: each deferred weight's input and output gradient.
+    deferred: HashMap<(usize, usize), Vec<DeferredWeightGrad<Inner<B>>>>,
     /// The sum of this step's micro-batch losses (last-stage ranks), fp32 on the device: read
     /// once, at the end of the step, with everything else the host needs (see
     /// [`super::summary`]).
@@ -160,6 +163,7 @@ where
             out_grads: HashMap::new(),
             to_send_forward: HashMap::new(),
             to_send_backward: HashMap::new(),
+            deferred: HashMap::new(),
             loss_sum: None,
             bad_targets: None,
             events: Vec::new(),
@@ -291,10 +295,9 @@ where
         let (s, m) = (action.stage, action.mb());
         match action.kind {
             ActionKind::Forward => self.forward(s, m, batch),
-            ActionKind::Backward => self.backward(s, m, batch),
-            ActionKind::BackwardInput | ActionKind::BackwardWeight => Err(EngineError::Config(
-                "split backward (I/W) is not executed yet; generate schedules with full B".into(),
-            )),
+            ActionKind::Backward => self.backward(s, m, batch, false),
+            ActionKind::BackwardInput => self.backward(s, m, batch, true),
+            ActionKind::BackwardWeight => self.weight_backward(s, m),
             ActionKind::SendForward
             | ActionKind::SendBackward
             | ActionKind::RecvForward
@@ -442,8 +445,16 @@ where
     }
 
     /// Backward of micro-batch `m` through stage `s`: accumulates the parameter gradients and
-    /// hands the input gradient to the previous stage.
-    fn backward(&mut self, s: usize, m: usize, batch: &Batches<'_, B>) -> Result<(), EngineError> {
+    /// hands the input gradient to the previous stage. With `split` (an `I` action) the
+    /// weight gradients of the stage's [`crate::model::SplitLinear`]s are deferred: their
+    /// operands wait in `deferred` for the `W` action ([`Self::weight_backward`]).
+    fn backward(
+        &mut self,
+        s: usize,
+        m: usize,
+        batch: &Batches<'_, B>,
+        split: bool,
+    ) -> Result<(), EngineError> {
         let saved = self.saved.remove(&(s, m)).ok_or(EngineError::Missing {
             what: "saved forward",
             stage: s,
@@ -460,34 +471,34 @@ where
         let scale = loss_scale / self.settings.microbatches as f64;
         let compute = self.settings.precision.dtype();
         let local_prev = s > 0 && self.local(s - 1);
-        let poison = self.poison;
-        let grads = match &output {
-            StageOutput::Loss(loss) => loss_backward(loss, scale),
-            StageOutput::Hidden(h) => {
-                let g = out_grad.ok_or(EngineError::Missing {
+        let seed = match &output {
+            StageOutput::Loss(_) => None,
+            StageOutput::Hidden(_) => Some(in_dtype(
+                out_grad.ok_or(EngineError::Missing {
                     what: "output gradient",
                     stage: s,
                     microbatch: m,
-                })?;
-                stage_backward(h, in_dtype(g, compute))?
-            }
+                })?,
+                compute,
+            )),
+        };
+        let run = || match (&output, seed) {
+            (StageOutput::Loss(loss), _) => Ok(loss_backward(loss, scale)),
+            (StageOutput::Hidden(h), Some(g)) => stage_backward(h, g),
+            (StageOutput::Hidden(_), None) => unreachable!("the seed was checked above"),
+        };
+        let grads = if split {
+            let (grads, deferred) = defer_weight_grads::<Inner<B>, _>(run);
+            self.deferred.insert((s, m), deferred);
+            grads?
+        } else {
+            run()?
         };
         // Input gradients travel in the compute dtype, like the activations.
         let in_grad = leaf.as_ref().map(|leaf| input_grad(leaf, &grads));
-        let stage = self.stage_mut(s)?;
-        let mut flat = in_dtype(flatten_grads(&module, &grads), DType::F32);
-        if loss_scale != 1.0 {
-            flat = flat.mul_scalar(1.0 / loss_scale);
-        }
-        let mut flat = pad(flat, stage.layout.padded);
-        if poison {
-            flat = flat.mul_scalar(f32::NAN);
-        }
+        let flat = flatten_grads(&module, &grads);
         drop((grads, output, leaf, module));
-        stage.grad_window = Some(match stage.grad_window.take() {
-            Some(acc) => acc + flat,
-            None => flat,
-        });
+        self.accumulate_grads(s, flat)?;
         if let Some(g) = in_grad {
             if local_prev {
                 self.out_grads.insert((s - 1, m), g);
@@ -495,6 +506,43 @@ where
                 self.to_send_backward.insert((s, m), g);
             }
         }
+        Ok(())
+    }
+
+    /// The `W` of a split backward: the weight gradients its `I` deferred, `xᵀ·dy` for each
+    /// deferred weight, on the inner backend (the graph went with the `I`).
+    fn weight_backward(&mut self, s: usize, m: usize) -> Result<(), EngineError> {
+        let deferred = self.deferred.remove(&(s, m)).ok_or(EngineError::Missing {
+            what: "input-gradient pass (I) before this weight-gradient pass (W)",
+            stage: s,
+            microbatch: m,
+        })?;
+        if deferred.is_empty() {
+            return Ok(());
+        }
+        let stage = self.stage_mut(s)?;
+        let flat = stage.weight_grads_flat(deferred)?;
+        self.accumulate_grads(s, flat)
+    }
+
+    /// Adds one backward's flat gradient (the module's parameter layout, compute dtype, loss
+    /// scale still in it) to stage `s`'s open window, in fp32.
+    fn accumulate_grads(&mut self, s: usize, flat: Tensor<Inner<B>, 1>) -> Result<(), EngineError> {
+        let loss_scale = self.scaler.scale;
+        let poison = self.poison;
+        let stage = self.stage_mut(s)?;
+        let mut flat = in_dtype(flat, DType::F32);
+        if loss_scale != 1.0 {
+            flat = flat.mul_scalar(1.0 / loss_scale);
+        }
+        let mut flat = pad(flat, stage.layout.padded);
+        if poison {
+            flat = flat.mul_scalar(f32::NAN);
+        }
+        stage.grad_window = Some(match stage.grad_window.take() {
+            Some(acc) => acc + flat,
+            None => flat,
+        });
         Ok(())
     }
 

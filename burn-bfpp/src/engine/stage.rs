@@ -8,9 +8,10 @@ use super::shard::ShardLayout;
 use super::snapshot::StageState;
 use super::EngineError;
 use crate::host_read::{read, ReadPurpose};
-use crate::model::{flatten_params, load_flat_shaped, param_shapes, PipelineStage};
+use crate::model::{flatten_params, load_flat_shaped, param_ids, param_shapes, PipelineStage};
 use crate::optim::{AdamWSettings, ShardOptimizer};
 use crate::schedule::ZeroLevel;
+use cubecl_kernels::DeferredWeightGrad;
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
@@ -31,6 +32,8 @@ pub(crate) struct LocalStage<B: AutodiffBackend, S> {
     pub(super) optimizer: ShardOptimizer<Inner<B>>,
     /// Parameter shapes, to refill the module after its values were freed.
     pub(super) shapes: Vec<Vec<usize>>,
+    /// Parameter ids in the same order: where a deferred weight gradient goes.
+    pub(super) ids: Vec<u64>,
     pub(super) gathered: bool,
     /// The dtype the module computes in; the shard, its moments and gradients stay fp32.
     pub(super) compute: DType,
@@ -70,6 +73,7 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         let mut stage = LocalStage {
             index,
             shapes: param_shapes(&module),
+            ids: param_ids(&module),
             module,
             layout,
             optimizer: ShardOptimizer::new(layout.owned_len(), adamw.clone(), &device),
@@ -102,6 +106,48 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
         let values = Tensor::from_inner(in_dtype(padded.narrow(0, 0, self.layout.numel), dtype));
         self.module = load_flat_shaped(self.module.clone(), &values, &self.shapes)?;
         Ok(())
+    }
+
+    /// The weight gradients an `I` deferred, computed now (`xᵀ·dy`, summed per weight) and
+    /// laid out as the stage's flat gradient: zeros for every parameter `I` already covered.
+    /// Fails if a gradient's tag names no parameter of the stage (a `split_linear` on a
+    /// tensor that is not one of the stage's parameters).
+    pub(super) fn weight_grads_flat(
+        &self,
+        deferred: Vec<DeferredWeightGrad<Inner<B>>>,
+    ) -> Result<Tensor<Inner<B>, 1>, EngineError> {
+        let mut by_param: Vec<Option<Tensor<Inner<B>, 2>>> = vec![None; self.ids.len()];
+        for entry in deferred {
+            let i = self
+                .ids
+                .iter()
+                .position(|&id| id == entry.tag)
+                .ok_or_else(|| {
+                    EngineError::Config(format!(
+                        "stage {}: a deferred weight gradient belongs to no parameter of the \
+                     stage; split_linear must take the stage's own weight parameter",
+                        self.index
+                    ))
+                })?;
+            let grad = entry.weight_grad();
+            by_param[i] = Some(match by_param[i].take() {
+                Some(sum) => sum + grad,
+                None => grad,
+            });
+        }
+        let device = self.owned.device();
+        let parts = by_param
+            .into_iter()
+            .zip(&self.shapes)
+            .map(|(grad, shape)| {
+                let n = shape.iter().product::<usize>();
+                match grad {
+                    Some(g) => g.reshape([n]),
+                    None => in_dtype(Tensor::<Inner<B>, 1>::zeros([n], &device), self.compute),
+                }
+            })
+            .collect();
+        Ok(Tensor::cat(parts, 0))
     }
 
     /// This stage's training state, copied out of the backend (a checkpoint).

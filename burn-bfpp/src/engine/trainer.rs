@@ -16,7 +16,7 @@ use crate::comm::{CommError, Communicator, LocalComm, ProcessRank, RankGrid, Thr
 use crate::model::{
     split_model, MicroBatch, ModelError, PipelineModel, PipelineStage, StageInput, StageOutput,
 };
-use crate::schedule::PipelineSchedule;
+use crate::schedule::{ActionKind, PipelineSchedule};
 
 /// The ranks as threads of this process, all on the model's device (the default world).
 #[derive(Debug, Clone, Copy, Default)]
@@ -359,7 +359,24 @@ where
     let mut activations = Vec::with_capacity(stages.len().saturating_sub(1));
     let mut input = StageInput::Data(batch.inputs.clone());
     let last = stages.len().saturating_sub(1);
+    let split_backward = program.ranks.iter().flatten().any(|a| {
+        matches!(
+            a.kind,
+            ActionKind::BackwardInput | ActionKind::BackwardWeight
+        )
+    });
     for (s, stage) in stages.into_iter().enumerate() {
+        if split_backward && !stage.splits_weight_grads() {
+            return Err(ModelError::Split(format!(
+                "stage {s} (layers {:?}) does not defer its weight gradients, and the schedule \
+                 splits each backward into I (input gradient) and W (weight gradients): build \
+                 the stage's matrix products from burn_bfpp::model::SplitLinear and return \
+                 true from `splits_weight_grads`, or choose a schedule with a full backward \
+                 (gpipe, 1f1b, interleaved, breadth-first)",
+                stage.layers()
+            ))
+            .into());
+        }
         // No gradients: nothing of the dry run is kept.
         let stage = stage.no_grad();
         let targets_in = (s == last).then_some(&batch.targets);

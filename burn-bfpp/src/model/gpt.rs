@@ -214,6 +214,7 @@ impl GptConfig {
             LinearConfig::new(d_in, d_out)
                 .with_initializer(normal(std))
                 .init(device)
+                .into()
         };
         let norm = || LayerNormConfig::new(self.hidden).init(device);
         let dropout = DropoutConfig::new(self.dropout).init();
@@ -238,7 +239,8 @@ impl GptConfig {
                     key: LinearConfig::new(h, h)
                         .with_bias(false)
                         .with_initializer(normal(self.init_std))
-                        .init(device),
+                        .init(device)
+                        .into(),
                     value: linear(h, h, self.init_std),
                     output: linear(h, h, residual_std),
                     heads: self.heads,
@@ -257,6 +259,7 @@ impl GptConfig {
                     .with_bias(false)
                     .with_initializer(normal(self.init_std))
                     .init(device)
+                    .into()
             }),
         };
         let model = Gpt {
@@ -396,6 +399,14 @@ impl<B: FusedOps> PipelineStage<B> for GptStage<B> {
 
     fn target_classes(&self) -> Option<usize> {
         Some(self.config.vocab_size)
+    }
+
+    /// Every projection is a [`super::SplitLinear`]. Two exceptions compute their weight
+    /// gradient in `I` all the same, because their kernels produce it with the input
+    /// gradient: the fused MLP's first matrix and the fused head; the tied head's matrix is
+    /// the token embedding's, whose gradient `I` computes anyway.
+    fn splits_weight_grads(&self) -> bool {
+        true
     }
 
     fn forward(

@@ -2,13 +2,14 @@
 //! pre-LayerNorm block and head with its loss, each usable on its own as a Burn [`Module`].
 
 use burn::module::Module;
-use burn::nn::{Dropout, Embedding, Gelu, LayerNorm, Linear};
+use burn::nn::{Dropout, Embedding, Gelu, LayerNorm};
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor};
 use cubecl_kernels::FusedOps;
 
 use super::gpt::Fused;
+use super::split_linear::SplitLinear;
 use super::ModelError;
 
 /// Layer 0: token embedding plus learned position embedding.
@@ -34,10 +35,10 @@ impl<B: Backend> GptEmbedding<B> {
 /// attention op, so every step is visible and differentiable on any backend.
 #[derive(Module, Debug)]
 pub struct CausalSelfAttention<B: Backend> {
-    pub(super) query: Linear<B>,
-    pub(super) key: Linear<B>,
-    pub(super) value: Linear<B>,
-    pub(super) output: Linear<B>,
+    pub(super) query: SplitLinear<B>,
+    pub(super) key: SplitLinear<B>,
+    pub(super) value: SplitLinear<B>,
+    pub(super) output: SplitLinear<B>,
     pub(super) heads: usize,
 }
 
@@ -77,9 +78,9 @@ pub struct GptBlock<B: Backend> {
     pub(super) norm1: LayerNorm<B>,
     pub(super) attention: CausalSelfAttention<B>,
     pub(super) norm2: LayerNorm<B>,
-    pub(super) fc: Linear<B>,
+    pub(super) fc: SplitLinear<B>,
     pub(super) gelu: Gelu,
-    pub(super) proj: Linear<B>,
+    pub(super) proj: SplitLinear<B>,
     pub(super) dropout: Dropout,
 }
 
@@ -120,10 +121,10 @@ impl<B: FusedOps> GptBlock<B> {
 #[derive(Module, Debug)]
 pub struct GptHead<B: Backend> {
     pub(super) norm: LayerNorm<B>,
-    pub(super) output: Option<Linear<B>>,
+    pub(super) output: Option<SplitLinear<B>>,
 }
 
-impl<B: Backend> GptHead<B> {
+impl<B: FusedOps> GptHead<B> {
     pub(super) fn logits(
         &self,
         x: Tensor<B, 3>,

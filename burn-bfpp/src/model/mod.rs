@@ -29,6 +29,7 @@ mod gpt_layers;
 mod params;
 mod placement;
 mod split;
+mod split_linear;
 mod stack;
 #[cfg(all(test, feature = "flex"))]
 mod tests;
@@ -45,6 +46,7 @@ pub(crate) use autodiff::{
 };
 pub use error::ModelError;
 pub use gpt::{FusedMode, Gpt, GptConfig, GptStage};
+pub(crate) use params::param_ids;
 pub use params::{flatten_params, load_flat, materialize, param_shapes};
 pub(crate) use params::{load_flat_shaped, recombine, release_params};
 pub(crate) use placement::{module_to_device, tensor_to_device};
@@ -62,6 +64,7 @@ pub(crate) fn random_init_lock() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 pub use split::{balanced_split, split_model, stage_costs, ModelSplit};
+pub use split_linear::SplitLinear;
 
 /// The inputs of a micro-batch, consumed by the first stage.
 #[derive(Debug, Clone)]
@@ -209,6 +212,17 @@ pub trait PipelineStage<B: Backend>: Module<B> {
     /// (the default): not checked.
     fn target_classes(&self) -> Option<usize> {
         None
+    }
+
+    /// Whether a split backward defers every weight-matrix gradient of this stage: true when
+    /// its matrix products go through [`SplitLinear`] (or [`cubecl_kernels::split_linear`])
+    /// and its other parameters (embeddings, norms, biases) get their gradients in the
+    /// input-gradient pass. Schedules with `I`/`W` actions (the zero-bubble family) are
+    /// refused for stages that return false (the default), such as stages of burn-nn
+    /// `Linear`s, whose weight gradients would all land in `I` and leave `W` nothing to
+    /// fill the bubble with.
+    fn splits_weight_grads(&self) -> bool {
+        false
     }
 
     /// Runs the stage. The first stage takes [`StageInput::Data`], the others

@@ -98,6 +98,21 @@ pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<Vec<usize>> {
     shapes.0
 }
 
+/// The [`burn::module::ParamId`] value of every float parameter of `module`, in the order of
+/// [`flatten_params`]: how a deferred weight gradient (tagged with its weight's id) finds its
+/// place in the flat buffer.
+pub(crate) fn param_ids<B: Backend, M: Module<B>>(module: &M) -> Vec<u64> {
+    struct Ids(Vec<u64>);
+    impl<B: Backend> ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.id.val());
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
 /// Frees the values of every float parameter of `module` (each becomes an empty tensor of
 /// the same rank, id and device): what a ZeRO-3 rank does with a stage it stops using.
 /// [`load_flat_shaped`] with the shapes recorded by [`param_shapes`] brings the values back.

@@ -11,7 +11,13 @@
 //!   burn-nn's [`TransformerEncoderLayer`], with a causal mask);
 //! * [`StackHead`]: activations and targets → the micro-batch's mean loss (implemented here
 //!   for burn-nn's [`Linear`]: a projection to classes with the cross-entropy against
-//!   token targets, or to outputs with the mean squared error against value targets).
+//!   token targets, or to outputs with the mean squared error against value targets), and
+//!   for [`SplitLinear`], the same head whose weight gradient split-backward schedules defer.
+//!
+//! Zero-bubble schedules (`I`/`W` actions) need every part to report
+//! [`PipelineStage::splits_weight_grads`]: build blocks and head from [`SplitLinear`] and
+//! return true from the traits' `splits_weight_grads`. burn-nn's transformer layer and
+//! `Linear` compute their weight gradients in the backward itself and are refused there.
 //!
 //! A part of one's own (an embedding with positions, a head with a final norm) is a Burn
 //! module of one's own crate, so it implements these traits directly; burn-nn's layers, which
@@ -34,7 +40,9 @@ use burn::nn::transformer::TransformerEncoderLayer;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use cubecl_kernels::FusedOps;
 
+use super::split_linear::SplitLinear;
 use super::{
     check_range, materialize, param_shapes, Inputs, ModelError, PipelineModel, PipelineStage,
     StageInput, StageOutput, Targets,
@@ -45,6 +53,11 @@ use super::{
 pub trait StackInput<B: Backend>: Module<B> + ModuleDisplay {
     /// The activations of `inputs`.
     fn embed(&self, inputs: &Inputs<B>) -> Result<Tensor<B, 3>, ModelError>;
+
+    /// See [`PipelineStage::splits_weight_grads`]; false by default.
+    fn splits_weight_grads(&self) -> bool {
+        false
+    }
 }
 
 /// One block of a [`LayerStack`]: activations `[batch, seq, hidden]` to activations of the
@@ -52,6 +65,12 @@ pub trait StackInput<B: Backend>: Module<B> + ModuleDisplay {
 pub trait StackBlock<B: Backend>: Module<B> + ModuleDisplay {
     /// The block's output.
     fn apply(&self, x: Tensor<B, 3>) -> Tensor<B, 3>;
+
+    /// See [`PipelineStage::splits_weight_grads`]; false by default. A block whose matrix
+    /// products all go through [`SplitLinear`] returns true.
+    fn splits_weight_grads(&self) -> bool {
+        false
+    }
 }
 
 /// The last part of a [`LayerStack`]: activations and the micro-batch's targets to its loss,
@@ -65,6 +84,11 @@ pub trait StackHead<B: Backend>: Module<B> + ModuleDisplay {
     fn classes(&self) -> Option<usize> {
         None
     }
+
+    /// See [`PipelineStage::splits_weight_grads`]; false by default.
+    fn splits_weight_grads(&self) -> bool {
+        false
+    }
 }
 
 /// burn-nn's embedding of token ids `[batch, seq]`.
@@ -76,6 +100,11 @@ impl<B: Backend> StackInput<B> for Embedding<B> {
                 "an Embedding input part takes token ids (Inputs::Tokens), not features".into(),
             )),
         }
+    }
+
+    /// An embedding's gradient is a scatter of the output gradient, computed in `I`.
+    fn splits_weight_grads(&self) -> bool {
+        true
     }
 }
 
@@ -99,38 +128,63 @@ impl<B: Backend> StackHead<B> for Linear<B> {
     }
 
     fn loss(&self, x: Tensor<B, 3>, targets: &Targets<B>) -> Result<Tensor<B, 1>, ModelError> {
-        let out = self.forward(x);
-        let [batch, seq, width] = out.dims();
-        match targets {
-            Targets::Tokens(ids) => {
-                if ids.dims() != [batch, seq] {
-                    return Err(ModelError::shape(
-                        "token targets of the head".to_string(),
-                        format!("[{batch}, {seq}]"),
-                        format!("{:?}", ids.dims()),
-                    ));
-                }
-                let ce = CrossEntropyLossConfig::new().init(&out.device());
-                Ok(ce.forward(
-                    out.reshape([batch * seq, width]),
-                    ids.clone().reshape([batch * seq]),
-                ))
+        head_loss(self.forward(x), targets)
+    }
+}
+
+/// [`SplitLinear`] as a head, like burn-nn's `Linear`, with its weight gradient deferred by
+/// split-backward schedules.
+impl<B: FusedOps> StackHead<B> for SplitLinear<B> {
+    fn classes(&self) -> Option<usize> {
+        Some(self.weight.dims()[1])
+    }
+
+    fn loss(&self, x: Tensor<B, 3>, targets: &Targets<B>) -> Result<Tensor<B, 1>, ModelError> {
+        head_loss(self.forward(x), targets)
+    }
+
+    fn splits_weight_grads(&self) -> bool {
+        true
+    }
+}
+
+/// The loss of a linear head's outputs `out` `[batch, seq, width]`: the mean cross-entropy
+/// against token targets, or the mean squared error against value targets `[batch, width]`
+/// (with `seq` 1).
+fn head_loss<B: Backend>(
+    out: Tensor<B, 3>,
+    targets: &Targets<B>,
+) -> Result<Tensor<B, 1>, ModelError> {
+    let [batch, seq, width] = out.dims();
+    match targets {
+        Targets::Tokens(ids) => {
+            if ids.dims() != [batch, seq] {
+                return Err(ModelError::shape(
+                    "token targets of the head".to_string(),
+                    format!("[{batch}, {seq}]"),
+                    format!("{:?}", ids.dims()),
+                ));
             }
-            Targets::Values(values) => {
-                if seq != 1 || values.dims() != [batch, width] {
-                    return Err(ModelError::shape(
-                        "value targets of the head".to_string(),
-                        format!("[{batch}, {width}] from activations [{batch}, 1, hidden]"),
-                        format!(
-                            "{:?} from activations [{batch}, {seq}, hidden]",
-                            values.dims()
-                        ),
-                    ));
-                }
-                Ok(MseLoss::new()
-                    .forward(out.reshape([batch, width]), values.clone(), Reduction::Mean)
-                    .reshape([1]))
+            let ce = CrossEntropyLossConfig::new().init(&out.device());
+            Ok(ce.forward(
+                out.reshape([batch * seq, width]),
+                ids.clone().reshape([batch * seq]),
+            ))
+        }
+        Targets::Values(values) => {
+            if seq != 1 || values.dims() != [batch, width] {
+                return Err(ModelError::shape(
+                    "value targets of the head".to_string(),
+                    format!("[{batch}, {width}] from activations [{batch}, 1, hidden]"),
+                    format!(
+                        "{:?} from activations [{batch}, {seq}, hidden]",
+                        values.dims()
+                    ),
+                ));
             }
+            Ok(MseLoss::new()
+                .forward(out.reshape([batch, width]), values.clone(), Reduction::Mean)
+                .reshape([1]))
         }
     }
 }
@@ -283,6 +337,17 @@ where
 
     fn target_classes(&self) -> Option<usize> {
         self.head.as_ref().and_then(StackHead::classes)
+    }
+
+    fn splits_weight_grads(&self) -> bool {
+        self.input
+            .as_ref()
+            .is_none_or(StackInput::splits_weight_grads)
+            && self.blocks.iter().all(StackBlock::splits_weight_grads)
+            && self
+                .head
+                .as_ref()
+                .is_none_or(StackHead::splits_weight_grads)
     }
 
     fn forward(

@@ -58,7 +58,8 @@ fn memory_fixes(l: &Layout) -> Vec<&'static str> {
     if !l.recompute {
         fixes.push("recompute=true keeps only each layer's input");
     }
-    if matches!(l.schedule, ScheduleKind::BreadthFirst | ScheduleKind::GPipe) && l.microbatches > 1
+    if (l.schedule.family().breadth_first || l.schedule == ScheduleKind::GPipe)
+        && l.microbatches > 1
     {
         fixes.push(
             "breadth-first and GPipe hold every micro-batch's activations (of a sweep): fewer \

@@ -24,14 +24,23 @@ pub enum Family {
     GPipe,
     /// Megatron-LM: 1F1B or interleaved, ZeRO-1, reductions at the end of the step.
     Megatron,
+    /// Breadth-first with split backwards whose weight passes fill the waits.
+    BreadthFirstZeroBubble,
+    /// Interleaved 1F1B with split backwards (interleaved zero-bubble).
+    InterleavedZeroBubble,
+    /// ZB-H1: 1F1B with split backwards at 1F1B's memory.
+    ZeroBubbleH1,
 }
 
 impl Family {
     /// Every family, in the order `bfpp compare` prints them.
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 8] = [
         Family::BreadthFirst,
+        Family::BreadthFirstZeroBubble,
         Family::DepthFirst,
+        Family::InterleavedZeroBubble,
         Family::OneFOneB,
+        Family::ZeroBubbleH1,
         Family::GPipe,
         Family::Megatron,
     ];
@@ -44,6 +53,9 @@ impl Family {
             Family::OneFOneB => "1f1b",
             Family::GPipe => "gpipe",
             Family::Megatron => "megatron",
+            Family::BreadthFirstZeroBubble => "breadth-first-zb",
+            Family::InterleavedZeroBubble => "interleaved-zb",
+            Family::ZeroBubbleH1 => "zb-h1",
         }
     }
 }
@@ -91,6 +103,9 @@ impl Layout {
             (_, ScheduleKind::Interleaved) => Family::DepthFirst,
             (_, ScheduleKind::OneFOneB) => Family::OneFOneB,
             (_, ScheduleKind::GPipe) => Family::GPipe,
+            (_, ScheduleKind::ZeroBubbleH1) => Family::ZeroBubbleH1,
+            (_, ScheduleKind::InterleavedZeroBubble) => Family::InterleavedZeroBubble,
+            (_, ScheduleKind::BreadthFirstZeroBubble) => Family::BreadthFirstZeroBubble,
         }
     }
 
@@ -315,7 +330,7 @@ impl Layout {
             if !zero_given {
                 l.zero = ZeroLevel::Zero1;
             }
-            if l.schedule == ScheduleKind::BreadthFirst {
+            if l.schedule.family().breadth_first {
                 l.schedule = if l.loops > 1 {
                     ScheduleKind::Interleaved
                 } else {

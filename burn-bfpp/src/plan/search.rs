@@ -38,10 +38,14 @@ fn live_activations(l: &Layout, r: usize) -> (usize, bool) {
         // Every forward of the rank (of the sweep, for the hybrid) precedes its first
         // backward: all V·M (V·K) are live then.
         ScheduleKind::GPipe => (v * m, true),
-        ScheduleKind::BreadthFirst => (v * l.bf_microbatches.unwrap_or(m), true),
-        // Warm-up P − r − 1 forwards, then one more forward before the first backward.
-        ScheduleKind::OneFOneB => ((p - r).min(m), false),
-        ScheduleKind::Interleaved => {
+        ScheduleKind::BreadthFirst | ScheduleKind::BreadthFirstZeroBubble => {
+            (v * l.bf_microbatches.unwrap_or(m), true)
+        }
+        // Warm-up P − r − 1 forwards, then one more forward before the first backward. The
+        // split schedules hold their base order's full activations; a pending weight pass
+        // holds less (its matrices' inputs and output gradients), left out of the bound.
+        ScheduleKind::OneFOneB | ScheduleKind::ZeroBubbleH1 => ((p - r).min(m), false),
+        ScheduleKind::Interleaved | ScheduleKind::InterleavedZeroBubble => {
             let total = m * v;
             let warmup = if m == p {
                 total
@@ -64,6 +68,7 @@ pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
     let mut worst = (0u64, 0u64, 0u64, 0usize);
     let mut core: f64 = 0.0;
     let (mut head, mut tail) = (0.0, 0.0);
+    let mut split_end: f64 = 0.0;
     for r in 0..l.pp {
         let stages: Vec<usize> = (r..stage_ranks.len()).step_by(l.pp).collect();
         let fixed = static_bytes(
@@ -93,6 +98,14 @@ pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
             .sum();
         // head/tail: forwards of stages 0..r before this rank can start, backwards after.
         core = core.max(head + compute + tail);
+        // A split schedule's rank may end on weight passes beside the other ranks'
+        // input-gradient chain, so its own end is what is certain: its last weight pass
+        // is followed by that stage's reduction and the rank's optimizer step.
+        let reduce = stages
+            .iter()
+            .map(|&s| c.reduce[s])
+            .fold(f64::INFINITY, f64::min);
+        split_end = split_end.max(head + compute + reduce + c.optimizer[r]);
         head += c.forward[r];
         tail += c.backward[r];
     }
@@ -110,7 +123,11 @@ pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
         };
         (lead, c.reduce[0])
     };
-    let step = lead + core + trail + c.optimizer[0];
+    let step = if l.schedule.splits_backward() {
+        lead + split_end
+    } else {
+        lead + core + trail + c.optimizer[0]
+    };
     Ok(Bounds {
         memory_bytes: worst.0,
         static_bytes: worst.1,
@@ -191,16 +208,26 @@ pub(super) fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                         if v == 1 {
                             push(Strategy::Bfpp, ScheduleKind::GPipe, 1, zero, None);
                             push(Strategy::Bfpp, ScheduleKind::OneFOneB, 1, zero, None);
+                            push(Strategy::Bfpp, ScheduleKind::ZeroBubbleH1, 1, zero, None);
                         }
                         if v >= 2 || pp == 1 {
                             // K = M (pure), and the hybrid's proper divisors K of M.
                             let ks = divisors(m).into_iter().filter(|&k| k < m).map(Some);
                             for k in std::iter::once(None).chain(ks) {
                                 push(Strategy::Bfpp, ScheduleKind::BreadthFirst, v, zero, k);
+                                push(
+                                    Strategy::Bfpp,
+                                    ScheduleKind::BreadthFirstZeroBubble,
+                                    v,
+                                    zero,
+                                    k,
+                                );
                             }
                         }
                         if interleaved_ok {
                             push(Strategy::Bfpp, ScheduleKind::Interleaved, v, zero, None);
+                            let izb = ScheduleKind::InterleavedZeroBubble;
+                            push(Strategy::Bfpp, izb, v, zero, None);
                         }
                     }
                     let z1 = ZeroLevel::Zero1;

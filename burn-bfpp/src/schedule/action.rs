@@ -81,6 +81,15 @@ impl ActionKind {
         )
     }
 
+    /// True for the computes that read the stage's weights (`F`, `B`, `I`): `W` computes
+    /// `xᵀ·dy` from what its `I` kept, so a sharded stage need not be gathered for it.
+    pub fn reads_weights(self) -> bool {
+        matches!(
+            self,
+            ActionKind::Forward | ActionKind::Backward | ActionKind::BackwardInput
+        )
+    }
+
     /// True for the backward kinds that produce weight gradients (`B`, `W`).
     pub fn produces_weight_grad(self) -> bool {
         matches!(self, ActionKind::Backward | ActionKind::BackwardWeight)

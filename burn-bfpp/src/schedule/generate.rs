@@ -1,10 +1,12 @@
 //! Generators: the compute order of every rank for GPipe, 1F1B, interleaved 1F1B (Megatron-LM's
-//! depth-first order) and breadth-first (with the hybrid's breadth-first micro-batch count).
+//! depth-first order) and breadth-first (with the hybrid's breadth-first micro-batch count),
+//! and their zero-bubble variants with split backwards (see [`super::zero_bubble`]).
 
 use std::fmt;
 use std::str::FromStr;
 
 use super::placement::{rank_stages, Placement};
+use super::zero_bubble::{fill_weight_passes, inputs_only};
 use super::{Action, PipelineSchedule, ScheduleError};
 
 /// Largest schedule generated (2²⁴ compute actions, a few hundred MiB once lowered).
@@ -22,16 +24,38 @@ pub enum ScheduleKind {
     Interleaved,
     /// Breadth-first: each local stage runs all its micro-batches before the next.
     BreadthFirst,
+    /// ZB-H1: 1F1B with split backwards whose weight passes fill the cool-down; 1F1B's peak
+    /// memory.
+    ZeroBubbleH1,
+    /// Interleaved 1F1B with split backwards and weight passes filling its waits.
+    InterleavedZeroBubble,
+    /// Breadth-first with split backwards whose weight passes fill its waits; each stage's
+    /// gradients are still reduced once per step, after its last weight pass.
+    BreadthFirstZeroBubble,
 }
 
 impl ScheduleKind {
     /// Every kind, in the order the command line lists them.
-    pub const ALL: [ScheduleKind; 4] = [
+    pub const ALL: [ScheduleKind; 7] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved,
         ScheduleKind::BreadthFirst,
+        ScheduleKind::ZeroBubbleH1,
+        ScheduleKind::InterleavedZeroBubble,
+        ScheduleKind::BreadthFirstZeroBubble,
     ];
+
+    /// Whether the schedule splits backwards into `I` and `W` (the model must defer its
+    /// weight gradients; see `PipelineStage::splits_weight_grads`).
+    pub fn splits_backward(self) -> bool {
+        matches!(
+            self,
+            ScheduleKind::ZeroBubbleH1
+                | ScheduleKind::InterleavedZeroBubble
+                | ScheduleKind::BreadthFirstZeroBubble
+        )
+    }
 
     /// The command-line name.
     pub fn name(self) -> &'static str {
@@ -46,6 +70,10 @@ impl ScheduleKind {
             .expect("every ScheduleKind has its entry in REGISTRY (tested)")
     }
 }
+
+/// A family's generator: the spec and every rank's local stages (in placement order) to
+/// every rank's compute order.
+pub type Generator = fn(&ScheduleSpec, &[Vec<usize>]) -> Vec<Vec<Action>>;
 
 /// One schedule family: its names, the rules its layouts must follow beyond the common ones,
 /// and its generator. [`REGISTRY`] lists them all; the command line, configuration files,
@@ -66,13 +94,13 @@ pub struct ScheduleFamily {
     /// The family's own rules on a spec (the common ones already hold); the error names
     /// the fix.
     pub check: fn(&ScheduleSpec) -> Result<(), String>,
-    /// The compute order of one rank, given the spec, the rank and its local stages in
+    /// The compute order of every rank, given the spec and each rank's local stages in
     /// placement order.
-    pub generate: fn(&ScheduleSpec, usize, &[usize]) -> Vec<Action>,
+    pub generate: Generator,
 }
 
 /// Every schedule family, in the order the command line lists them.
-pub static REGISTRY: [ScheduleFamily; 4] = [
+pub static REGISTRY: [ScheduleFamily; 7] = [
     ScheduleFamily {
         kind: ScheduleKind::GPipe,
         name: "gpipe",
@@ -80,7 +108,7 @@ pub static REGISTRY: [ScheduleFamily; 4] = [
         default_loops: 1,
         breadth_first: false,
         check: one_stage_per_rank,
-        generate: |spec, _, stages| gpipe(stages[0], spec.microbatches),
+        generate: |spec, local| per_rank(local, |_, stages| gpipe(stages[0], spec.microbatches)),
     },
     ScheduleFamily {
         kind: ScheduleKind::OneFOneB,
@@ -89,7 +117,11 @@ pub static REGISTRY: [ScheduleFamily; 4] = [
         default_loops: 1,
         breadth_first: false,
         check: one_stage_per_rank,
-        generate: |spec, rank, stages| one_f_one_b(stages[0], spec.pp, rank, spec.microbatches),
+        generate: |spec, local| {
+            per_rank(local, |rank, stages| {
+                one_f_one_b(stages[0], spec.pp, rank, spec.microbatches)
+            })
+        },
     },
     ScheduleFamily {
         kind: ScheduleKind::Interleaved,
@@ -97,17 +129,12 @@ pub static REGISTRY: [ScheduleFamily; 4] = [
         aliases: &["interleaved-1f1b", "depth-first"],
         default_loops: 2,
         breadth_first: false,
-        check: |spec| {
-            if spec.microbatches % spec.pp != 0 {
-                let up = spec.microbatches.div_ceil(spec.pp) * spec.pp;
-                return Err(format!(
-                    "interleaved needs microbatches to be a multiple of pp={}; try {up}",
-                    spec.pp
-                ));
-            }
-            Ok(())
+        check: microbatches_multiple_of_pp,
+        generate: |spec, local| {
+            per_rank(local, |rank, stages| {
+                interleaved(stages, spec.pp, rank, spec.microbatches)
+            })
         },
-        generate: |spec, rank, stages| interleaved(stages, spec.pp, rank, spec.microbatches),
     },
     ScheduleFamily {
         kind: ScheduleKind::BreadthFirst,
@@ -116,15 +143,93 @@ pub static REGISTRY: [ScheduleFamily; 4] = [
         default_loops: 2,
         breadth_first: true,
         check: |_| Ok(()),
-        generate: |spec, _, stages| {
-            breadth_first(
-                stages,
-                spec.microbatches,
-                spec.bf_microbatches.unwrap_or(spec.microbatches),
-            )
+        generate: |spec, local| {
+            per_rank(local, |_, stages| {
+                breadth_first(
+                    stages,
+                    spec.microbatches,
+                    spec.bf_microbatches.unwrap_or(spec.microbatches),
+                )
+            })
+        },
+    },
+    ScheduleFamily {
+        kind: ScheduleKind::ZeroBubbleH1,
+        name: "zb-h1",
+        aliases: &["zbh1", "zero-bubble-h1"],
+        default_loops: 1,
+        breadth_first: false,
+        check: one_stage_per_rank,
+        generate: |spec, local| {
+            let base = per_rank(local, |rank, stages| {
+                inputs_only(one_f_one_b(stages[0], spec.pp, rank, spec.microbatches))
+            });
+            // Rank r holds P − r micro-batches in 1F1B; r pending W's bring every rank to
+            // rank 0's P, 1F1B's peak (ZB-H1's memory rule).
+            let caps: Vec<usize> = (0..spec.pp).collect();
+            fill_weight_passes(base, &stage_ranks(spec), spec.microbatches, &caps)
+        },
+    },
+    ScheduleFamily {
+        kind: ScheduleKind::InterleavedZeroBubble,
+        name: "interleaved-zb",
+        aliases: &["interleaved-zero-bubble", "zb-interleaved"],
+        default_loops: 2,
+        breadth_first: false,
+        check: microbatches_multiple_of_pp,
+        generate: |spec, local| {
+            let base = per_rank(local, |rank, stages| {
+                inputs_only(interleaved(stages, spec.pp, rank, spec.microbatches))
+            });
+            let caps: Vec<usize> = (0..spec.pp).collect();
+            fill_weight_passes(base, &stage_ranks(spec), spec.microbatches, &caps)
+        },
+    },
+    ScheduleFamily {
+        kind: ScheduleKind::BreadthFirstZeroBubble,
+        name: "breadth-first-zb",
+        aliases: &["bf-zb", "bfpp-zb"],
+        default_loops: 2,
+        breadth_first: true,
+        check: |_| Ok(()),
+        generate: |spec, local| {
+            let k = spec.bf_microbatches.unwrap_or(spec.microbatches);
+            let base = per_rank(local, |_, stages| {
+                inputs_only(breadth_first(stages, spec.microbatches, k))
+            });
+            // Breadth-first already keeps every micro-batch of a sweep alive until its
+            // backward, and a pending W keeps less than that: no cap beyond the sweep.
+            let caps = vec![k * spec.loops; spec.pp];
+            fill_weight_passes(base, &stage_ranks(spec), spec.microbatches, &caps)
         },
     },
 ];
+
+/// Runs a one-rank generator for every rank.
+fn per_rank(local: &[Vec<usize>], f: impl Fn(usize, &[usize]) -> Vec<Action>) -> Vec<Vec<Action>> {
+    local
+        .iter()
+        .enumerate()
+        .map(|(r, stages)| f(r, stages))
+        .collect()
+}
+
+fn stage_ranks(spec: &ScheduleSpec) -> Vec<usize> {
+    spec.placement.stage_ranks(spec.pp, spec.loops)
+}
+
+/// The rule of the interleaved families.
+fn microbatches_multiple_of_pp(spec: &ScheduleSpec) -> Result<(), String> {
+    if spec.microbatches % spec.pp != 0 {
+        let up = spec.microbatches.div_ceil(spec.pp) * spec.pp;
+        return Err(format!(
+            "{} needs microbatches to be a multiple of pp={}; try {up}",
+            spec.kind.name(),
+            spec.pp
+        ));
+    }
+    Ok(())
+}
 
 /// The rule of the families that run one stage per rank.
 fn one_stage_per_rank(spec: &ScheduleSpec) -> Result<(), String> {
@@ -282,10 +387,7 @@ impl ScheduleSpec {
         self.check()?;
         let stage_ranks = self.placement.stage_ranks(self.pp, self.loops);
         let local = rank_stages(&stage_ranks, self.pp);
-        let generate = self.kind.family().generate;
-        let ranks = (0..self.pp)
-            .map(|rank| generate(self, rank, &local[rank]))
-            .collect();
+        let ranks = (self.kind.family().generate)(self, &local);
         Ok(PipelineSchedule {
             stage_ranks,
             microbatches: self.microbatches,

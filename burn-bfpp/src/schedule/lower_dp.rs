@@ -215,7 +215,10 @@ fn place_weights(
     start_of: impl Fn(usize) -> usize,
     end_of: impl Fn(usize) -> usize,
 ) {
-    let blocks = blocks(list, (0..list.len()).filter(|&p| list[p].kind.is_compute()));
+    let blocks = blocks(
+        list,
+        (0..list.len()).filter(|&p| list[p].kind.reads_weights()),
+    );
     let next = next_same_stage(&blocks);
     // ZeRO-1/2 keep every gathered stage: as many buffers as stages.
     let capacity = if cfg.zero == ZeroLevel::Zero3 {

@@ -17,6 +17,7 @@ mod placement;
 mod program;
 mod replay;
 mod validate;
+mod zero_bubble;
 
 pub use action::{Action, ActionKind, TimedEvent};
 pub use csv::{from_csv, to_csv, to_csv_with, CsvNaming};

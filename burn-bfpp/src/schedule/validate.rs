@@ -248,7 +248,7 @@ fn check_collectives(schedule: &PipelineSchedule, problems: &mut Problems) {
                     "rank {rank}: {a} with no gradient of stage {s} accumulated since the last reduction"
                 )),
                 ActionKind::ReduceGrad => pending_grad[s] = false,
-                k if k.is_compute() && !gathered[s] => problems.push(format!(
+                k if k.reads_weights() && !gathered[s] => problems.push(format!(
                     "rank {rank}: {a} runs while stage {s}'s weights are sharded; put a {s}UNSHARD before it"
                 )),
                 k if k.produces_weight_grad() => pending_grad[s] = true,

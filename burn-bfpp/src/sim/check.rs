@@ -73,6 +73,7 @@ pub(super) fn check_costs(costs: &CostTable, stages: usize, n: usize) -> Result<
         ("reduce", costs.reduce.len()),
         ("parameters", costs.parameters.len()),
         ("activation_bytes", costs.activation_bytes.len()),
+        ("weight_grad_bytes", costs.weight_grad_bytes.len()),
     ];
     if let Some((name, len)) = per_stage.iter().find(|&&(_, len)| len != stages) {
         return Err(SimError::Config(format!(

@@ -87,6 +87,10 @@ pub struct CostTable {
     pub parameters: Vec<u64>,
     /// Activation bytes one micro-batch keeps alive in the stage until its backward.
     pub activation_bytes: Vec<u64>,
+    /// Of those, the bytes a split backward keeps from its `I` until its `W`: each deferred
+    /// matrix's input and output gradient (never more than `activation_bytes`; the unit
+    /// model keeps everything until `W`).
+    pub weight_grad_bytes: Vec<u64>,
     /// Optimizer step of each pipeline rank.
     pub optimizer: Vec<f64>,
     /// When each pipeline rank starts the step (0 for all by default): a measured run's
@@ -131,6 +135,7 @@ impl CostTable {
                     reduce: vec![0.0; stages],
                     parameters: vec![u.stage_parameters; stages],
                     activation_bytes: vec![u.stage_activation_bytes; stages],
+                    weight_grad_bytes: vec![u.stage_activation_bytes; stages],
                     optimizer: vec![0.0; num_ranks],
                     start: vec![0.0; num_ranks],
                     step_model_flops: 0.0,
@@ -156,6 +161,7 @@ impl CostTable {
                     reduce: Vec::with_capacity(stages),
                     parameters: Vec::with_capacity(stages),
                     activation_bytes: Vec::with_capacity(stages),
+                    weight_grad_bytes: Vec::with_capacity(stages),
                     optimizer: vec![0.0; num_ranks],
                     start: vec![0.0; num_ranks],
                     step_model_flops: g.step_model_flops(microbatches * b),
@@ -238,6 +244,13 @@ impl CostTable {
                         act += g.loss_activation_bytes(b, t);
                     }
                     table.activation_bytes.push(act.round() as u64);
+                    let mut deferred = layers * g.layer_weight_grad_bytes(b, t, elem);
+                    if last {
+                        deferred += g.head_weight_grad_bytes(b, t, elem);
+                    }
+                    table
+                        .weight_grad_bytes
+                        .push(deferred.min(act).round() as u64);
                 }
                 // Adam is memory bound: it reads and writes its state, reads the gradient and
                 // writes the weights, each once, at HBM bandwidth.

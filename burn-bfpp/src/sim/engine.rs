@@ -151,7 +151,8 @@ impl Engine<'_> {
         let c = self.costs;
         let full_grad_bytes = c.parameters[s] * self.elem;
         let st = &mut self.ranks[rank];
-        let mut dp_ready = if st.unshard_end[s].is_nan() {
+        // A weight pass reads what its I kept, not the stage's weights.
+        let mut dp_ready = if st.unshard_end[s].is_nan() || !a.kind.reads_weights() {
             0.0
         } else {
             st.unshard_end[s]
@@ -211,8 +212,18 @@ impl Engine<'_> {
                 st.memory.alloc(end, c.activation_bytes[s]);
                 st.activations.alloc(end, 1);
             }
-            ActionKind::Backward | ActionKind::BackwardWeight => {
+            ActionKind::Backward => {
                 st.memory.free(end, c.activation_bytes[s]);
+                st.activations.free(end, 1);
+            }
+            // A split backward frees all but what its W needs, and W the rest.
+            ActionKind::BackwardInput => {
+                let kept = c.weight_grad_bytes[s].min(c.activation_bytes[s]);
+                st.memory.free(end, c.activation_bytes[s] - kept);
+            }
+            ActionKind::BackwardWeight => {
+                st.memory
+                    .free(end, c.weight_grad_bytes[s].min(c.activation_bytes[s]));
                 st.activations.free(end, 1);
             }
             _ => {}

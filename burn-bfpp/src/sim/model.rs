@@ -245,6 +245,23 @@ impl GptShape {
         s * b * h * (10.0 + 24.0 / t + attention)
     }
 
+    /// Bytes one block keeps from a split backward's `I` to its `W`, in `elem`-byte values:
+    /// the input and the output gradient of each of its matrices, per token 7·h inputs (the
+    /// normed input shared by Q, K and V, the attention output, the second normed input,
+    /// the 4·h MLP activation) and 9·h output gradients (Q, K, V, output, 4·h, h), the
+    /// matrices split over `t` tensor-parallel ranks.
+    pub fn layer_weight_grad_bytes(&self, b: usize, t: usize, elem: u64) -> f64 {
+        let (s, b, h) = (self.sequence as f64, b as f64, self.hidden as f64);
+        16.0 * s * b * h * elem as f64 / t as f64
+    }
+
+    /// The head's share of [`Self::layer_weight_grad_bytes`]: its input and the gradient of
+    /// the logits, s·b·(h + vocab/t) values.
+    pub fn head_weight_grad_bytes(&self, b: usize, t: usize, elem: u64) -> f64 {
+        let (s, b, h) = (self.sequence as f64, b as f64, self.hidden as f64);
+        s * b * (h + self.vocabulary as f64 / t as f64) * elem as f64
+    }
+
     /// Bytes the last stage keeps for the loss: fp32 logits, 4·s·b·vocab/t
     /// (Korthikanti et al. 2022, §4.3).
     pub fn loss_activation_bytes(&self, b: usize, t: usize) -> f64 {

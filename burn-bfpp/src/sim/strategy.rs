@@ -150,7 +150,7 @@ pub fn megatron_collectives(schedule: &PipelineSchedule) -> Result<PipelineSched
             }
             let first_use = |s: usize| {
                 body.iter()
-                    .position(|a| a.stage == s && a.kind.is_compute())
+                    .position(|a| a.stage == s && a.kind.reads_weights())
             };
             // Gathered last ⇒ finishes last on the in-order data-parallel stream.
             gathers.sort_by_key(|&s| std::cmp::Reverse(first_use(s)));
