@@ -1,7 +1,8 @@
-//! The measured bubble of a P=2, V=2 breadth-first run with ranks as separate processes
-//! (`mpirun -np 2`, feature `mpi`) against the simulator fed with that run's own measured
-//! action durations (`engine::StepProfile` → `sim::simulate_costed`): issue 4 asks for the
-//! two within 10 %.
+//! The measured bubble of runs with ranks as separate processes (`mpirun`, feature `mpi`)
+//! against the simulator fed with that run's own measured action durations
+//! (`engine::StepProfile` → `sim::simulate_costed`), within 10 %: a P=2, V=2 breadth-first
+//! run, and on four processes 1F1B, ZB-H1, breadth-first and breadth-first zero-bubble (the
+//! split-backward schedules against their full-backward bases).
 //!
 //! The replay is the simulator's one-thread-per-rank model (`sim::Execution::Serial`), as the
 //! CPU engine runs sends and receives on the thread that computes, with each rank starting
@@ -34,6 +35,8 @@ const M: usize = 4;
 const MBS: usize = 4;
 const STEPS: usize = 4;
 const OUT_ENV: &str = "BFPP_TEST_BUBBLE_OUT";
+/// `schedule,pp,microbatches`: the run a rank process makes.
+const CASE_ENV: &str = "BFPP_TEST_BUBBLE_CASE";
 
 fn gpt() -> GptConfig {
     GptConfig {
@@ -61,12 +64,12 @@ fn batch(step: usize, dp_index: usize, microbatch: usize) -> MicroBatch<B> {
     }
 }
 
-fn config() -> TrainConfig {
+fn config(kind: ScheduleKind, pp: usize, microbatches: usize) -> TrainConfig {
     TrainConfig::new(STEPS)
-        .with_pp(2)
-        .with_loops(2)
-        .with_microbatches(M)
-        .with_schedule(ScheduleKind::BreadthFirst)
+        .with_pp(pp)
+        .with_loops(kind.family().default_loops)
+        .with_microbatches(microbatches)
+        .with_schedule(kind)
         .with_zero(ZeroLevel::Zero0)
         .with_lr(LrConfig::Constant(1e-3))
         .with_comm_timeout_secs(120.0)
@@ -78,7 +81,12 @@ fn config() -> TrainConfig {
 fn bubble_rank_process() {
     let out = std::env::var(OUT_ENV)
         .unwrap_or_else(|_| panic!("{OUT_ENV} is not set: this test is started by mpirun"));
-    let cfg = config();
+    let case = std::env::var(CASE_ENV).unwrap_or_else(|_| panic!("{CASE_ENV} is not set"));
+    let fields: Vec<&str> = case.split(',').collect();
+    let kind: ScheduleKind = fields[0].parse().expect("a schedule name");
+    let number = |i: usize| -> usize { fields[i].parse().expect("a number") };
+    let (pp, microbatches) = (number(1), number(2));
+    let cfg = config(kind, pp, microbatches);
     let comm = MpiComm::<<B as AutodiffBackend>::InnerBackend>::init(
         RankGrid::new(cfg.pp, cfg.dp).expect("grid"),
         Default::default(),
@@ -101,8 +109,13 @@ fn bubble_rank_process() {
     let mut sim = SimConfig::unit();
     sim.dtype = Dtype::Fp32;
     sim.execution = Execution::Serial;
-    let mut table =
-        CostTable::new(&sim, &program.stage_ranks, program.num_ranks(), M).expect("unit costs");
+    let mut table = CostTable::new(
+        &sim,
+        &program.stage_ranks,
+        program.num_ranks(),
+        microbatches,
+    )
+    .expect("unit costs");
     // The measured span stops at the last action; the optimizer update is not in it.
     table.optimizer = vec![0.0; program.num_ranks()];
     let mut overlapped = sim.clone();
@@ -129,29 +142,36 @@ fn bubble_rank_process() {
     std::fs::write(out, lines.join("\n")).expect("writable");
 }
 
-#[test]
-fn the_measured_bubble_is_the_simulators_within_ten_percent() {
-    let out = std::env::temp_dir().join(format!("bfpp-bubble-{}.txt", std::process::id()));
+/// One run under `mpirun`: per measured step, (step, measured span, measured bubble,
+/// serial replay span, serial replay bubble, overlapped replay span, overlapped bubble).
+fn measure(kind: ScheduleKind, pp: usize, microbatches: usize) -> Vec<Vec<f64>> {
+    let out = std::env::temp_dir().join(format!(
+        "bfpp-bubble-{}-{kind}-{pp}.txt",
+        std::process::id()
+    ));
     let exe = std::env::current_exe().expect("test binary path");
     let mut cmd = Command::new("mpirun");
     cmd.args([
         "--allow-run-as-root",
         "--oversubscribe",
         "-np",
-        "2",
+        &pp.to_string(),
         "-x",
         OUT_ENV,
+        "-x",
+        CASE_ENV,
         "-x",
         "RAYON_NUM_THREADS",
     ])
     .env(OUT_ENV, &out)
+    .env(CASE_ENV, format!("{kind},{pp},{microbatches}"))
     .env("RAYON_NUM_THREADS", "1")
     .arg(exe)
     .args(["--exact", "bubble_rank_process", "--ignored", "--nocapture"]);
     let run = output_within(cmd, LAUNCH_DEADLINE);
     assert!(
         run.status.success(),
-        "{}\n^ mpirun failed",
+        "{}\n^ mpirun failed ({kind}, {pp} processes)",
         output_text(&run)
     );
     let text = std::fs::read_to_string(&out).expect("rank 0 wrote its figures");
@@ -165,25 +185,63 @@ fn the_measured_bubble_is_the_simulators_within_ten_percent() {
         })
         .collect();
     assert_eq!(rows.len(), STEPS - 1, "{text}");
+    rows
+}
+
+/// Checks every measured step of `kind` against the simulator and returns the mean measured
+/// and replayed bubbles.
+fn check(kind: ScheduleKind, pp: usize, microbatches: usize) -> (f64, f64) {
+    let rows = measure(kind, pp, microbatches);
     for v in &rows {
         let (step, span, bubble, replayed_span, replayed) = (v[0], v[1], v[2], v[3], v[4]);
         let (overlapped_span, overlapped) = (v[5], v[6]);
         eprintln!(
-            "step {step}: measured {span:.4} s, bubble {bubble:.3}; simulator (serial) \
-             {replayed_span:.4} s, bubble {replayed:.3}; simulator (overlapped) \
-             {overlapped_span:.4} s, bubble {overlapped:.3}"
+            "{kind} P={pp} M={microbatches} step {step}: measured {span:.4} s, bubble \
+             {bubble:.3}; simulator (serial) {replayed_span:.4} s, bubble {replayed:.3}; \
+             simulator (overlapped) {overlapped_span:.4} s, bubble {overlapped:.3}"
         );
         let err = (replayed - bubble).abs() / bubble;
         assert!(
             err <= 0.10,
-            "step {step}: the simulator replaying the run's own durations finds a bubble of \
-             {replayed:.3}, the run measured {bubble:.3}: {:.1} % apart, more than 10 %",
+            "{kind} step {step}: the simulator replaying the run's own durations finds a \
+             bubble of {replayed:.3}, the run measured {bubble:.3}: {:.1} % apart, more than \
+             10 %",
             err * 100.0
         );
         // Taking sends and receives off the compute thread can only shorten the step.
         assert!(
             overlapped_span <= replayed_span * (1.0 + 1e-9),
-            "step {step}: overlapped {overlapped_span} s > serial {replayed_span} s"
+            "{kind} step {step}: overlapped {overlapped_span} s > serial {replayed_span} s"
+        );
+    }
+    let mean = |i: usize| rows.iter().map(|v| v[i]).sum::<f64>() / rows.len() as f64;
+    (mean(2), mean(4))
+}
+
+#[test]
+fn the_measured_bubble_is_the_simulators_within_ten_percent() {
+    check(ScheduleKind::BreadthFirst, 2, M);
+}
+
+/// Issue 36's measurement: each split-backward schedule against its base on four processes.
+/// The figures (with `--nocapture`) go to docs/benchmarks.md.
+#[test]
+fn zero_bubble_bubbles_on_four_processes_are_the_simulators_within_ten_percent() {
+    for (base, split) in [
+        (ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1),
+        (
+            ScheduleKind::BreadthFirst,
+            ScheduleKind::BreadthFirstZeroBubble,
+        ),
+    ] {
+        let (base_measured, base_replayed) = check(base, 4, 8);
+        let (split_measured, split_replayed) = check(split, 4, 8);
+        eprintln!(
+            "{split} against {base}, P=4 M=8: measured bubble {split_measured:.3} vs \
+             {base_measured:.3} (ratio {:.2}); simulator {split_replayed:.3} vs \
+             {base_replayed:.3} (ratio {:.2})",
+            split_measured / base_measured,
+            split_replayed / base_replayed
         );
     }
 }

@@ -1,5 +1,7 @@
 //! Ranks as separate MPI processes (`mpirun -np 4`; feature `mpi`, the transport of CPU
-//! processes): P=2, V=2, D=2, breadth-first and interleaved, ZeRO 1 and 3, three AdamW steps
+//! processes): P=2, V=2, D=2, breadth-first and interleaved, ZeRO 1 and 3, and the
+//! split-backward schedules (ZB-H1 with V=1 at ZeRO 0, interleaved and breadth-first
+//! zero-bubble at ZeRO 3), three AdamW steps
 //! must give the losses and final parameters of plain single-device Burn training within 1e-5
 //! and bitwise those of the in-process run, and every rank's bytes sent must be the
 //! simulator's formulas (as for threads); a failing rank must stop every process with an
@@ -29,11 +31,15 @@ use common::bounded::{output_text, outputs_within, LAUNCH_DEADLINE};
 use common::*;
 
 /// The layouts run by the rank processes, in this order in every process.
-const CASES: [(ScheduleKind, ZeroLevel); 4] = [
+const CASES: [(ScheduleKind, ZeroLevel); 7] = [
     (ScheduleKind::BreadthFirst, ZeroLevel::Zero1),
     (ScheduleKind::BreadthFirst, ZeroLevel::Zero3),
     (ScheduleKind::Interleaved, ZeroLevel::Zero1),
     (ScheduleKind::Interleaved, ZeroLevel::Zero3),
+    // Split backwards (I/W) across processes.
+    (ScheduleKind::ZeroBubbleH1, ZeroLevel::Zero0),
+    (ScheduleKind::InterleavedZeroBubble, ZeroLevel::Zero3),
+    (ScheduleKind::BreadthFirstZeroBubble, ZeroLevel::Zero3),
 ];
 
 /// Where a rank process writes its results (rank 0) — set by the parent test.
@@ -42,7 +48,7 @@ const OUT_ENV: &str = "BFPP_TEST_RANKS_OUT";
 const FAULT_ENV: &str = "BFPP_TEST_RANKS_FAULT";
 
 fn ranks_config(kind: ScheduleKind, zero: ZeroLevel) -> TrainConfig {
-    config(kind, 2, 2, 2, zero)
+    config(kind, 2, kind.family().default_loops, 2, zero)
 }
 
 /// One line per case: the losses and every parameter value as bits, and every rank's bytes
@@ -225,7 +231,7 @@ fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
     let lines = read_results(&out);
     let _ = std::fs::remove_file(&out);
     assert_eq!(lines.len(), CASES.len(), "one result per case:\n{log}");
-    eprintln!("4 layouts over {name} in {took:.1?}");
+    eprintln!("{} layouts over {name} in {took:.1?}", CASES.len());
 
     let (want_losses, want_params) = reference(2);
     let base = model();
