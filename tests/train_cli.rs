@@ -574,3 +574,71 @@ fn precision_flags_and_file_keys_reach_the_engine() {
         &["fp8", "bf16"],
     );
 }
+
+/// `bfpp schedule --format FORMAT` of the zero-bubble ZB-H1 at pp 2, M 4, in `dir`.
+fn zb_h1_file(dir: &std::path::Path, format: &str) -> PathBuf {
+    let out = Command::new(env!("CARGO_BIN_EXE_bfpp"))
+        .args([
+            "schedule",
+            "--schedule",
+            "zb-h1",
+            "--pp",
+            "2",
+            "--microbatches",
+        ])
+        .args(["4", "--format", format])
+        .output()
+        .expect("the bfpp binary runs");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let path = dir.join(format!("zb-h1-{format}.csv"));
+    std::fs::write(&path, &out.stdout).expect("writable");
+    path
+}
+
+#[test]
+fn a_schedule_file_trains_exactly_like_the_schedule_it_was_written_from() {
+    let dir = scratch_dir("train", "schedule-file-input");
+    let common = ["--steps", "3", "--seed", "5", "--dp", "1", "--json"];
+    let generated = train(
+        "schedule-generated",
+        &[
+            &common[..],
+            &["--schedule", "zb-h1", "--pp", "2", "--loops", "1"],
+            &["--microbatches", "4"],
+        ]
+        .concat(),
+        &[],
+    );
+    let want = losses(&json_of(&generated));
+    assert_eq!(want.len(), 3);
+    // Ours, and PyTorch's earlier naming (B/W for I/W), give the same program.
+    for format in ["csv", "csv-legacy"] {
+        let file = zb_h1_file(dir.path(), format);
+        let from_file = train(
+            &format!("schedule-file-{format}"),
+            &[
+                &common[..],
+                &["--schedule-file", file.to_str().expect("utf-8")],
+            ]
+            .concat(),
+            &[],
+        );
+        assert_eq!(losses(&json_of(&from_file)), want, "{format}");
+    }
+    let file = zb_h1_file(dir.path(), "csv");
+    let file = file.to_str().expect("utf-8");
+    assert_fails(
+        "schedule-file-disagrees",
+        &["--schedule-file", file, "--pp", "4"],
+        &[],
+        &["--pp 4 disagrees", "pp = 2", "drop --pp"],
+    );
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(&bad, "0F0,0X0\n1F0\n").expect("writable");
+    assert_fails(
+        "schedule-file-bad",
+        &["--schedule-file", bad.to_str().expect("utf-8")],
+        &[],
+        &["bad.csv", "line 1"],
+    );
+}

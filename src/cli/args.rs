@@ -49,12 +49,24 @@ pub struct TrainArgs {
     /// Samples per step; must be divisible by dp × microbatches (sets the micro-batch size).
     #[arg(long, help_heading = "Layout")]
     pub global_batch: Option<usize>,
-    /// Schedule: gpipe, 1f1b, interleaved or breadth-first.
+    /// Schedule: gpipe, 1f1b, interleaved, breadth-first, or the split-backward (zero-bubble)
+    /// zb-h1, interleaved-zb, breadth-first-zb (their models must defer weight gradients).
     #[arg(long, help_heading = "Layout")]
     pub schedule: Option<String>,
     /// Stage placement: looping or v-shape.
     #[arg(long, help_heading = "Layout")]
     pub placement: Option<String>,
+    /// Train the compute order of a schedule file (PyTorch's action CSV in either naming, or
+    /// `bfpp schedule --format csv`) instead of --schedule: pp, loops and microbatches come
+    /// from the file (a flag that disagrees is refused); transfers and collectives are placed
+    /// for --zero and --buffers.
+    #[arg(
+        long,
+        value_name = "FILE.csv",
+        help_heading = "Layout",
+        conflicts_with_all = ["schedule", "placement", "bf_microbatches", "hardware"]
+    )]
+    pub schedule_file: Option<PathBuf>,
     /// ZeRO level: 0, 1, 2 or 3.
     #[arg(long, help_heading = "Layout")]
     pub zero: Option<u8>,
@@ -204,6 +216,14 @@ impl TrainArgs {
         }
         parsed(&mut t.schedule, &self.schedule)?;
         parsed(&mut t.placement, &self.placement)?;
+        if let Some(path) = &self.schedule_file {
+            let order = super::read_schedule_file(path, self.pp, self.loops, self.microbatches)
+                .map_err(|e| TrainError::Config(e.to_string()))?;
+            t.pp = order.num_ranks();
+            t.loops = order.num_stages() / order.num_ranks().max(1);
+            t.microbatches = order.microbatches;
+            t.schedule_file = Some(path.clone());
+        }
         if let Some(zero) = self.zero {
             t.zero = ZeroLevel::from_number(zero)?;
         }

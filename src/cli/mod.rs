@@ -27,7 +27,9 @@ pub mod train;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use burn_bfpp::schedule::{PipelineSchedule, ScheduleError, ScheduleSpec, ValidationReport};
+use burn_bfpp::schedule::{
+    from_csv, PipelineSchedule, ScheduleError, ScheduleSpec, ValidationReport,
+};
 use serde_json::json;
 
 /// Everything a command can fail with; printed as `error: {this}` with exit code 1.
@@ -44,6 +46,9 @@ pub enum CliError {
         /// What is wrong with it.
         source: ScheduleError,
     },
+    /// A layout flag disagrees with the schedule file that sets it.
+    #[error("{0}")]
+    FileLayout(String),
     /// An input file could not be read.
     #[error("cannot read `{}`: {source}", path.display())]
     Read {
@@ -165,4 +170,45 @@ pub fn json_summary(
         "collectives": collectives,
     });
     format!("{doc:#}\n")
+}
+
+/// The compute order of a schedule file (`simulate` and `train --schedule-file`): the file
+/// fixes pp, loops and microbatches, and a flag given with a different value is refused,
+/// naming it.
+pub(crate) fn read_schedule_file(
+    path: &Path,
+    pp: Option<usize>,
+    loops: Option<usize>,
+    microbatches: Option<usize>,
+) -> Result<PipelineSchedule, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let schedule = from_csv(&text).map_err(|source| CliError::InFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (file_pp, stages, m) = (
+        schedule.num_ranks(),
+        schedule.num_stages(),
+        schedule.microbatches,
+    );
+    let disagree = |flag: &str, given: usize, file: usize| {
+        CliError::FileLayout(format!(
+            "--{flag} {given} disagrees with {}, which has {flag} = {file}: drop --{flag} (the \
+             file sets it)",
+            path.display()
+        ))
+    };
+    if let Some(given) = pp.filter(|&p| p != file_pp) {
+        return Err(disagree("pp", given, file_pp));
+    }
+    if let Some(given) = microbatches.filter(|&g| g != m) {
+        return Err(disagree("microbatches", given, m));
+    }
+    if let Some(given) = loops.filter(|&v| v * file_pp != stages) {
+        return Err(disagree("loops", given, stages / file_pp.max(1)));
+    }
+    Ok(schedule)
 }

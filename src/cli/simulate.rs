@@ -5,8 +5,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use burn_bfpp::schedule::{
-    from_csv, PipelineSchedule, Placement, Program, ProgramSpec, ScheduleKind, ScheduleSpec,
-    ZeroLevel, DEFAULT_BUFFERS,
+    Placement, Program, ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel, DEFAULT_BUFFERS,
 };
 use burn_bfpp::sim::{
     build_program, simulate_program, HardwareConfig, ModelConfig, SimConfig, SimError, SimResult,
@@ -17,7 +16,7 @@ use burn_bfpp::viz::{
 };
 use clap::Args;
 
-use super::{write_output, CliError};
+use super::{read_schedule_file, write_output, CliError};
 
 /// `bfpp simulate [FLAGS]`.
 #[derive(Debug, Clone, Args)]
@@ -191,7 +190,7 @@ pub fn run(args: &SimulateArgs) -> Result<(), CliError> {
     args.strategy.check_config(&cfg)?;
     let (program, pp, layout) = match &args.schedule_file {
         Some(path) => {
-            let compute = read_schedule_file(path, args)?;
+            let compute = read_schedule_file(path, args.pp, args.loops, args.microbatches)?;
             let pp = compute.num_ranks();
             let layout = format!(
                 "{}: pp={pp} stages={} M={}",
@@ -266,40 +265,6 @@ pub fn run(args: &SimulateArgs) -> Result<(), CliError> {
         summary(&title, &cfg, pp, &result)
     };
     write_output(None, &text)
-}
-
-/// The compute order of a schedule file; a layout flag that disagrees with it is refused.
-fn read_schedule_file(path: &Path, args: &SimulateArgs) -> Result<PipelineSchedule, CliError> {
-    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let schedule = from_csv(&text).map_err(|source| CliError::InFile {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let (pp, stages, m) = (
-        schedule.num_ranks(),
-        schedule.num_stages(),
-        schedule.microbatches,
-    );
-    let disagree = |flag: &str, given: usize, file: usize| {
-        CliError::Sim(SimError::Config(format!(
-            "--{flag} {given} disagrees with {}, which has {flag} = {file}: drop --{flag} (the \
-             file sets it)",
-            path.display()
-        )))
-    };
-    if let Some(given) = args.pp.filter(|&p| p != pp) {
-        return Err(disagree("pp", given, pp));
-    }
-    if let Some(given) = args.microbatches.filter(|&g| g != m) {
-        return Err(disagree("microbatches", given, m));
-    }
-    if let Some(given) = args.loops.filter(|&v| v * pp != stages) {
-        return Err(disagree("loops", given, stages / pp.max(1)));
-    }
-    Ok(schedule)
 }
 
 /// Bytes as GiB with two decimals.

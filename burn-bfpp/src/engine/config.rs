@@ -69,6 +69,12 @@ pub struct TrainConfig {
     /// Stage → rank placement.
     #[config(default = "Placement::Looping")]
     pub placement: Placement,
+    /// A schedule file (PyTorch's action CSV, either naming generation, or `bfpp schedule
+    /// --format csv`) whose compute order runs instead of the generated `schedule`; its
+    /// placement replaces `placement`. `pp`, `loops` and `microbatches` must be the file's
+    /// (the command line takes them from it); the transfers and collectives are placed again
+    /// for this run's ZeRO level and buffers.
+    pub schedule_file: Option<std::path::PathBuf>,
     /// ZeRO level over the data-parallel group.
     #[config(default = "ZeroLevel::Zero3")]
     pub zero: ZeroLevel,
@@ -294,6 +300,7 @@ impl TrainConfig {
             bf_microbatches: self.bf_microbatches,
             schedule: self.schedule,
             placement: self.placement,
+            schedule_file: self.schedule_file.clone(),
             zero: self.zero,
             buffers: self.buffers,
             recompute: self.recompute,

@@ -49,7 +49,8 @@ use crate::comm::{
 use crate::model::{module_to_device, recombine, split_model, ModelSplit, PipelineModel};
 use crate::optim::AdamWSettings;
 use crate::schedule::{
-    PipelineSchedule, Placement, ProgramSpec, ScheduleKind, ScheduleSpec, TimedEvent, ZeroLevel,
+    from_csv, PipelineSchedule, Placement, Program, ProgramSpec, ScheduleKind, ScheduleSpec,
+    TimedEvent, ZeroLevel,
 };
 
 /// What one rank's step cost besides its compute: the host synchronisations it made and the
@@ -120,6 +121,8 @@ pub(crate) struct EngineConfig {
     pub schedule: ScheduleKind,
     /// Stage placement.
     pub placement: Placement,
+    /// A schedule file to run instead of the generated schedule.
+    pub schedule_file: Option<std::path::PathBuf>,
     /// ZeRO level.
     pub zero: ZeroLevel,
     /// Rotating full-size weight and gradient buffers per rank (ZeRO-2/3).
@@ -183,10 +186,43 @@ impl EngineConfig {
         if self.precision.scales_loss() {
             self.loss_scaling.validate()?;
         }
-        let program = ProgramSpec::new(self.spec(), self.zero)
-            .with_buffers(self.buffers)
-            .compile()?;
+        let program = match &self.schedule_file {
+            Some(path) => Program::lower(self.schedule_from_file(path)?, self.zero, self.buffers)
+                .map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?,
+            None => ProgramSpec::new(self.spec(), self.zero)
+                .with_buffers(self.buffers)
+                .compile()?,
+        };
         Ok(program.lowered)
+    }
+
+    /// The compute order of a schedule file, refused unless its layout is this run's.
+    fn schedule_from_file(&self, path: &std::path::Path) -> Result<PipelineSchedule, EngineError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            EngineError::Config(format!(
+                "cannot read the schedule file {}: {e}",
+                path.display()
+            ))
+        })?;
+        let order =
+            from_csv(&text).map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?;
+        let (pp, stages, m) = (order.num_ranks(), order.num_stages(), order.microbatches);
+        let loops = stages / pp.max(1);
+        for (name, here, file) in [
+            ("pp", self.pp, pp),
+            ("loops", self.loops, loops),
+            ("microbatches", self.microbatches, m),
+        ] {
+            if here != file || stages != self.pp * self.loops {
+                return Err(EngineError::Config(format!(
+                    "{} runs pp={pp}, loops={loops}, microbatches={m}, but the configuration \
+                     has {name} = {here}: set pp, loops and microbatches to the file's (the \
+                     command line takes them from the file)",
+                    path.display()
+                )));
+            }
+        }
+        Ok(order)
     }
 }
 
