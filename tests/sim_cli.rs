@@ -284,7 +284,8 @@ fn compare_reports_every_family() {
             "gpipe",
             "interleaved-zb",
             "megatron",
-            "zb-h1"
+            "zb-h1",
+            "zb-v"
         ]
     );
     for (name, f) in families {

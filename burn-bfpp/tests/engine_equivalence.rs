@@ -116,6 +116,11 @@ fn interleaved_zero_bubble_matches_single_device() {
 }
 
 #[test]
+fn zero_bubble_v_matches_single_device() {
+    check_grid(ScheduleKind::ZeroBubbleV, &[2, 4], &[2], &SPLIT_ZERO, None);
+}
+
+#[test]
 fn breadth_first_zero_bubble_matches_single_device() {
     check_grid(
         ScheduleKind::BreadthFirstZeroBubble,

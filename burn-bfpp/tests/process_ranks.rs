@@ -1,7 +1,7 @@
 //! Ranks as separate MPI processes (`mpirun -np 4`; feature `mpi`, the transport of CPU
 //! processes): P=2, V=2, D=2, breadth-first and interleaved, ZeRO 1 and 3, and the
 //! split-backward schedules (ZB-H1 with V=1 at ZeRO 0, interleaved and breadth-first
-//! zero-bubble at ZeRO 3), three AdamW steps
+//! zero-bubble and ZB-V at ZeRO 3), three AdamW steps
 //! must give the losses and final parameters of plain single-device Burn training within 1e-5
 //! and bitwise those of the in-process run, and every rank's bytes sent must be the
 //! simulator's formulas (as for threads); a failing rank must stop every process with an
@@ -31,7 +31,7 @@ use common::bounded::{output_text, outputs_within, LAUNCH_DEADLINE};
 use common::*;
 
 /// The layouts run by the rank processes, in this order in every process.
-const CASES: [(ScheduleKind, ZeroLevel); 7] = [
+const CASES: [(ScheduleKind, ZeroLevel); 8] = [
     (ScheduleKind::BreadthFirst, ZeroLevel::Zero1),
     (ScheduleKind::BreadthFirst, ZeroLevel::Zero3),
     (ScheduleKind::Interleaved, ZeroLevel::Zero1),
@@ -40,6 +40,7 @@ const CASES: [(ScheduleKind, ZeroLevel); 7] = [
     (ScheduleKind::ZeroBubbleH1, ZeroLevel::Zero0),
     (ScheduleKind::InterleavedZeroBubble, ZeroLevel::Zero3),
     (ScheduleKind::BreadthFirstZeroBubble, ZeroLevel::Zero3),
+    (ScheduleKind::ZeroBubbleV, ZeroLevel::Zero3),
 ];
 
 /// Where a rank process writes its results (rank 0) — set by the parent test.

@@ -28,6 +28,8 @@ fn expected_makespan(kind: ScheduleKind, p: usize, v: usize, m: usize, k: usize)
             (3 * v * m + 2 * (p - 1)).max(2 * (v * p + m - 1) + v * m)
         }
         ScheduleKind::BreadthFirstZeroBubble => return None,
+        // Two half-size stages per rank: ZB-H1's chain over 2M micro-batch-stages.
+        ScheduleKind::ZeroBubbleV => 3 * v * m + p - 1,
     })
 }
 
@@ -47,6 +49,7 @@ fn spec(
         ScheduleKind::Interleaved | ScheduleKind::InterleavedZeroBubble => {
             ScheduleSpec::new(kind, p, v, m.div_ceil(p) * p)
         }
+        ScheduleKind::ZeroBubbleV => ScheduleSpec::new(kind, p, 2, m.div_ceil(p) * p),
         ScheduleKind::BreadthFirst | ScheduleKind::BreadthFirstZeroBubble => {
             let s = ScheduleSpec::new(kind, p, v, m);
             if hybrid {

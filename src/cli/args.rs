@@ -49,8 +49,8 @@ pub struct TrainArgs {
     /// Samples per step; must be divisible by dp × microbatches (sets the micro-batch size).
     #[arg(long, help_heading = "Layout")]
     pub global_batch: Option<usize>,
-    /// Schedule: gpipe, 1f1b, interleaved, breadth-first, or the split-backward (zero-bubble)
-    /// zb-h1, interleaved-zb, breadth-first-zb (their models must defer weight gradients).
+    /// Schedule: gpipe, 1f1b, interleaved, breadth-first, or with split backwards (the
+    /// model must defer its weight gradients) zb-h1, interleaved-zb, zb-v, breadth-first-zb.
     #[arg(long, help_heading = "Layout")]
     pub schedule: Option<String>,
     /// Stage placement: looping or v-shape.

@@ -27,7 +27,8 @@ pub struct SimulateArgs {
     /// A hardware preset (a100-80gb, h100-80gb, h200-141gb) or a TOML file.
     #[arg(long, default_value = "a100-80gb", value_name = "NAME|FILE")]
     pub hardware: String,
-    /// Schedule: gpipe, 1f1b, interleaved (depth-first) or breadth-first.
+    /// Schedule: gpipe, 1f1b, interleaved (depth-first), breadth-first, or with split
+    /// backwards zb-h1, interleaved-zb, zb-v, breadth-first-zb.
     #[arg(long, default_value = "breadth-first")]
     pub schedule: ScheduleKind,
     /// Pipeline ranks P [default: 4].

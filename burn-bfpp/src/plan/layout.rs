@@ -30,17 +30,20 @@ pub enum Family {
     InterleavedZeroBubble,
     /// ZB-H1: 1F1B with split backwards at 1F1B's memory.
     ZeroBubbleH1,
+    /// ZB-V: two stages per rank in a V, split backwards.
+    ZeroBubbleV,
 }
 
 impl Family {
     /// Every family, in the order `bfpp compare` prints them.
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::BreadthFirst,
         Family::BreadthFirstZeroBubble,
         Family::DepthFirst,
         Family::InterleavedZeroBubble,
         Family::OneFOneB,
         Family::ZeroBubbleH1,
+        Family::ZeroBubbleV,
         Family::GPipe,
         Family::Megatron,
     ];
@@ -56,6 +59,7 @@ impl Family {
             Family::BreadthFirstZeroBubble => "breadth-first-zb",
             Family::InterleavedZeroBubble => "interleaved-zb",
             Family::ZeroBubbleH1 => "zb-h1",
+            Family::ZeroBubbleV => "zb-v",
         }
     }
 }
@@ -106,6 +110,7 @@ impl Layout {
             (_, ScheduleKind::ZeroBubbleH1) => Family::ZeroBubbleH1,
             (_, ScheduleKind::InterleavedZeroBubble) => Family::InterleavedZeroBubble,
             (_, ScheduleKind::BreadthFirstZeroBubble) => Family::BreadthFirstZeroBubble,
+            (_, ScheduleKind::ZeroBubbleV) => Family::ZeroBubbleV,
         }
     }
 

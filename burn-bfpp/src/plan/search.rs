@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use crate::schedule::{Placement, Program, ScheduleKind, ZeroLevel};
+use crate::schedule::{Program, ScheduleKind, ZeroLevel};
 use crate::sim::{build_program, simulate_program, static_bytes, CostTable, ModelConfig, Strategy};
 
 use super::{Candidate, Family, Layout, Plan, PlanError, PlanRequest, Score, SearchStats};
@@ -45,6 +45,9 @@ fn live_activations(l: &Layout, r: usize) -> (usize, bool) {
         // split schedules hold their base order's full activations; a pending weight pass
         // holds less (its matrices' inputs and output gradients), left out of the bound.
         ScheduleKind::OneFOneB | ScheduleKind::ZeroBubbleH1 => ((p - r).min(m), false),
+        // A greedy order (see schedule::zero_bubble): only one live stage-micro-batch is
+        // certain.
+        ScheduleKind::ZeroBubbleV => (1, false),
         ScheduleKind::Interleaved | ScheduleKind::InterleavedZeroBubble => {
             let total = m * v;
             let warmup = if m == p {
@@ -60,8 +63,13 @@ fn live_activations(l: &Layout, r: usize) -> (usize, bool) {
 /// The bounds of a layout; `Err` when the simulator refuses its configuration.
 pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
     let cfg = l.sim_config(req)?;
-    let stage_ranks = Placement::Looping.stage_ranks(l.pp, l.loops);
+    let stage_ranks = l.spec().effective_placement().stage_ranks(l.pp, l.loops);
     let c = CostTable::new(&cfg, &stage_ranks, l.pp, l.microbatches)?;
+    let stages_of = |r: usize| -> Vec<usize> {
+        (0..stage_ranks.len())
+            .filter(|&s| stage_ranks[s] == r)
+            .collect()
+    };
     let m = l.microbatches as f64;
     let megatron = l.strategy == Strategy::Megatron;
 
@@ -70,7 +78,7 @@ pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
     let (mut head, mut tail) = (0.0, 0.0);
     let mut split_end: f64 = 0.0;
     for r in 0..l.pp {
-        let stages: Vec<usize> = (r..stage_ranks.len()).step_by(l.pp).collect();
+        let stages = stages_of(r);
         let fixed = static_bytes(
             stages.iter().map(|&s| c.parameters[s]),
             cfg.zero,
@@ -109,7 +117,7 @@ pub fn bounds(l: &Layout, req: &PlanRequest) -> Result<Bounds, PlanError> {
         head += c.forward[r];
         tail += c.backward[r];
     }
-    let rank0: Vec<usize> = (0..stage_ranks.len()).step_by(l.pp).collect();
+    let rank0 = stages_of(0);
     let (lead, trail) = if megatron {
         (
             rank0.iter().map(|&s| c.gather[s]).sum::<f64>(),
@@ -228,6 +236,9 @@ pub(super) fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                             push(Strategy::Bfpp, ScheduleKind::Interleaved, v, zero, None);
                             let izb = ScheduleKind::InterleavedZeroBubble;
                             push(Strategy::Bfpp, izb, v, zero, None);
+                        }
+                        if v == 2 && m % pp == 0 {
+                            push(Strategy::Bfpp, ScheduleKind::ZeroBubbleV, 2, zero, None);
                         }
                     }
                     let z1 = ZeroLevel::Zero1;

@@ -6,7 +6,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::placement::{rank_stages, Placement};
-use super::zero_bubble::{fill_weight_passes, inputs_only};
+use super::zero_bubble::{fill_weight_passes, inputs_only, zb_v};
 use super::{Action, PipelineSchedule, ScheduleError};
 
 /// Largest schedule generated (2²⁴ compute actions, a few hundred MiB once lowered).
@@ -32,11 +32,14 @@ pub enum ScheduleKind {
     /// Breadth-first with split backwards whose weight passes fill its waits; each stage's
     /// gradients are still reduced once per step, after its last weight pass.
     BreadthFirstZeroBubble,
+    /// ZB-V: two stages per rank in a V (the v-shape placement), split backwards, 1F1B's
+    /// peak memory.
+    ZeroBubbleV,
 }
 
 impl ScheduleKind {
     /// Every kind, in the order the command line lists them.
-    pub const ALL: [ScheduleKind; 7] = [
+    pub const ALL: [ScheduleKind; 8] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved,
@@ -44,6 +47,7 @@ impl ScheduleKind {
         ScheduleKind::ZeroBubbleH1,
         ScheduleKind::InterleavedZeroBubble,
         ScheduleKind::BreadthFirstZeroBubble,
+        ScheduleKind::ZeroBubbleV,
     ];
 
     /// Whether the schedule splits backwards into `I` and `W` (the model must defer its
@@ -54,6 +58,7 @@ impl ScheduleKind {
             ScheduleKind::ZeroBubbleH1
                 | ScheduleKind::InterleavedZeroBubble
                 | ScheduleKind::BreadthFirstZeroBubble
+                | ScheduleKind::ZeroBubbleV
         )
     }
 
@@ -91,6 +96,8 @@ pub struct ScheduleFamily {
     pub default_loops: usize,
     /// Whether the breadth-first micro-batch count K and the v-shape placement apply.
     pub breadth_first: bool,
+    /// Whether the family always runs on the v-shape placement (whatever the spec says).
+    pub v_shape: bool,
     /// The family's own rules on a spec (the common ones already hold); the error names
     /// the fix.
     pub check: fn(&ScheduleSpec) -> Result<(), String>,
@@ -100,13 +107,14 @@ pub struct ScheduleFamily {
 }
 
 /// Every schedule family, in the order the command line lists them.
-pub static REGISTRY: [ScheduleFamily; 7] = [
+pub static REGISTRY: [ScheduleFamily; 8] = [
     ScheduleFamily {
         kind: ScheduleKind::GPipe,
         name: "gpipe",
         aliases: &[],
         default_loops: 1,
         breadth_first: false,
+        v_shape: false,
         check: one_stage_per_rank,
         generate: |spec, local| per_rank(local, |_, stages| gpipe(stages[0], spec.microbatches)),
     },
@@ -116,6 +124,7 @@ pub static REGISTRY: [ScheduleFamily; 7] = [
         aliases: &[],
         default_loops: 1,
         breadth_first: false,
+        v_shape: false,
         check: one_stage_per_rank,
         generate: |spec, local| {
             per_rank(local, |rank, stages| {
@@ -129,6 +138,7 @@ pub static REGISTRY: [ScheduleFamily; 7] = [
         aliases: &["interleaved-1f1b", "depth-first"],
         default_loops: 2,
         breadth_first: false,
+        v_shape: false,
         check: microbatches_multiple_of_pp,
         generate: |spec, local| {
             per_rank(local, |rank, stages| {
@@ -142,6 +152,7 @@ pub static REGISTRY: [ScheduleFamily; 7] = [
         aliases: &["bf", "bfpp"],
         default_loops: 2,
         breadth_first: true,
+        v_shape: false,
         check: |_| Ok(()),
         generate: |spec, local| {
             per_rank(local, |_, stages| {
@@ -159,6 +170,7 @@ pub static REGISTRY: [ScheduleFamily; 7] = [
         aliases: &["zbh1", "zero-bubble-h1"],
         default_loops: 1,
         breadth_first: false,
+        v_shape: false,
         check: one_stage_per_rank,
         generate: |spec, local| {
             let base = per_rank(local, |rank, stages| {
@@ -176,6 +188,7 @@ pub static REGISTRY: [ScheduleFamily; 7] = [
         aliases: &["interleaved-zero-bubble", "zb-interleaved"],
         default_loops: 2,
         breadth_first: false,
+        v_shape: false,
         check: microbatches_multiple_of_pp,
         generate: |spec, local| {
             let base = per_rank(local, |rank, stages| {
@@ -191,6 +204,7 @@ pub static REGISTRY: [ScheduleFamily; 7] = [
         aliases: &["bf-zb", "bfpp-zb"],
         default_loops: 2,
         breadth_first: true,
+        v_shape: false,
         check: |_| Ok(()),
         generate: |spec, local| {
             let k = spec.bf_microbatches.unwrap_or(spec.microbatches);
@@ -202,6 +216,26 @@ pub static REGISTRY: [ScheduleFamily; 7] = [
             let caps = vec![k * spec.loops; spec.pp];
             fill_weight_passes(base, &stage_ranks(spec), spec.microbatches, &caps)
         },
+    },
+    ScheduleFamily {
+        kind: ScheduleKind::ZeroBubbleV,
+        name: "zb-v",
+        aliases: &["zbv", "zero-bubble-v"],
+        default_loops: 2,
+        breadth_first: false,
+        v_shape: true,
+        check: |spec| {
+            if spec.loops != 2 {
+                return Err(format!(
+                    "zb-v runs two stages per rank in a V, so it needs loops = 2 (got {}); use \
+                     --loops 2",
+                    spec.loops
+                ));
+            }
+            // Other counts leave the greedy order a bubble of several stages.
+            microbatches_multiple_of_pp(spec)
+        },
+        generate: |spec, _| zb_v(&stage_ranks(spec), spec.pp, spec.microbatches),
     },
 ];
 
@@ -215,7 +249,7 @@ fn per_rank(local: &[Vec<usize>], f: impl Fn(usize, &[usize]) -> Vec<Action>) ->
 }
 
 fn stage_ranks(spec: &ScheduleSpec) -> Vec<usize> {
-    spec.placement.stage_ranks(spec.pp, spec.loops)
+    spec.effective_placement().stage_ranks(spec.pp, spec.loops)
 }
 
 /// The rule of the interleaved families.
@@ -373,7 +407,7 @@ impl ScheduleSpec {
                 ));
             }
         }
-        if self.placement == Placement::VShape && !family.breadth_first {
+        if self.placement == Placement::VShape && !(family.breadth_first || family.v_shape) {
             return err(format!(
                 "the v-shape placement is generated for breadth-first only, not {name}; \
                  use --placement looping"
@@ -382,10 +416,19 @@ impl ScheduleSpec {
         Ok(())
     }
 
+    /// The placement the schedule runs on: the spec's, unless the family fixes it (ZB-V).
+    pub fn effective_placement(&self) -> Placement {
+        if self.kind.family().v_shape {
+            Placement::VShape
+        } else {
+            self.placement
+        }
+    }
+
     /// Generate the compute-only schedule (no transfers or collectives yet).
     pub fn generate(&self) -> Result<PipelineSchedule, ScheduleError> {
         self.check()?;
-        let stage_ranks = self.placement.stage_ranks(self.pp, self.loops);
+        let stage_ranks = self.effective_placement().stage_ranks(self.pp, self.loops);
         let local = rank_stages(&stage_ranks, self.pp);
         let ranks = (self.kind.family().generate)(self, &local);
         Ok(PipelineSchedule {

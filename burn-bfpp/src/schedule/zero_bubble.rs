@@ -122,3 +122,119 @@ pub(super) fn fill_weight_passes(
     }
     out
 }
+
+/// ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): two stages per
+/// rank on the V-shape placement (rank r holds stages r and 2P − 1 − r, so the first and the
+/// last stage share rank 0), ordered by a greedy list scheduler in the unit cost model. At
+/// each moment a rank runs, among what is ready, an `I` (the deeper stage first) before a
+/// forward (the deeper stage first) before a `W`, and it fills any wait with a pending `W`
+/// that fits. It starts a new micro-batch (a forward of its first stage) only while fewer
+/// than P have entered and not finished their first stage's `W`: at most P micro-batches
+/// per stage are live, 2P half-size stages, 1F1B's peak.
+pub(super) fn zb_v(stage_ranks: &[usize], pp: usize, microbatches: usize) -> Vec<Vec<Action>> {
+    let stages = stage_ranks.len();
+    let m = microbatches;
+    let slot = |s: usize, mb: usize| s * m + mb;
+    let mut forward_end = vec![f64::NAN; stages * m];
+    let mut input_end = vec![f64::NAN; stages * m];
+    let mut next_forward = vec![0usize; stages];
+    let mut next_input = vec![0usize; stages];
+    // Each rank's stages, deepest first (the priority order of its I's and forwards).
+    let mut local: Vec<Vec<usize>> = vec![Vec::new(); pp];
+    for (s, &r) in stage_ranks.iter().enumerate() {
+        local[r].push(s);
+    }
+    for list in &mut local {
+        list.sort_unstable_by(|a, b| b.cmp(a));
+    }
+    let mut clock = vec![0.0_f64; pp];
+    let mut entered = vec![0usize; pp];
+    let mut pending: Vec<std::collections::VecDeque<Action>> = vec![Default::default(); pp];
+    let mut out: Vec<Vec<Action>> = vec![Vec::new(); pp];
+    loop {
+        // The earliest start over all ranks: (start, rank, action).
+        let mut best: Option<(f64, usize, Action)> = None;
+        for r in 0..pp {
+            let now = clock[r];
+            let mut pick: Option<(f64, Action)> = None;
+            let mut consider = |start: f64, a: Action| {
+                if pick.is_none_or(|(b, _)| start < b) {
+                    pick = Some((start, a));
+                }
+            };
+            for &s in &local[r] {
+                let mb = next_input[s];
+                if mb < next_forward[s] {
+                    let own = forward_end[slot(s, mb)];
+                    let grad = if s + 1 == stages {
+                        own
+                    } else {
+                        input_end[slot(s + 1, mb)]
+                    };
+                    if !grad.is_nan() {
+                        consider(
+                            own.max(grad).max(now),
+                            Action::new(s, ActionKind::BackwardInput, mb),
+                        );
+                    }
+                }
+            }
+            for &s in &local[r] {
+                let mb = next_forward[s];
+                let first = s == *local[r].last().expect("every rank holds a stage");
+                if mb >= m || (first && entered[r] >= pp) {
+                    continue;
+                }
+                let ready = if s == 0 {
+                    0.0
+                } else {
+                    forward_end[slot(s - 1, mb)]
+                };
+                if !ready.is_nan() {
+                    consider(ready.max(now), Action::forward(s, mb));
+                }
+            }
+            let fill = pending[r].front().copied();
+            let candidate = match (pick, fill) {
+                (Some((start, _)), Some(w)) if start >= now + 1.0 => Some((now, w)),
+                (Some(p), _) => Some(p),
+                (None, Some(w)) => Some((now, w)),
+                (None, None) => None,
+            };
+            if let Some((start, a)) = candidate {
+                if best.is_none_or(|(b, _, _)| start < b) {
+                    best = Some((start, r, a));
+                }
+            }
+        }
+        let Some((start, r, a)) = best else {
+            break;
+        };
+        let end = start + 1.0;
+        clock[r] = end;
+        out[r].push(a);
+        let (s, mb) = (a.stage, a.mb());
+        let first = s == *local[r].last().expect("every rank holds a stage");
+        match a.kind {
+            ActionKind::Forward => {
+                forward_end[slot(s, mb)] = end;
+                next_forward[s] += 1;
+                if first {
+                    entered[r] += 1;
+                }
+            }
+            ActionKind::BackwardInput => {
+                input_end[slot(s, mb)] = end;
+                next_input[s] += 1;
+                pending[r].push_back(Action::new(s, ActionKind::BackwardWeight, mb));
+            }
+            _ => {
+                pending[r].pop_front();
+                if first {
+                    entered[r] -= 1;
+                }
+            }
+        }
+    }
+    out
+}

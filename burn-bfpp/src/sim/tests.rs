@@ -31,6 +31,8 @@ fn unit(backward_ratio: f64, zero: ZeroLevel) -> SimConfig {
 ///   chain dominates, 2M + 2P − 1.
 /// * interleaved zero-bubble: 3VM + (P − 1) for M ≥ 2P; at M = P, where its warm-up runs
 ///   every forward first, 3VM + 2(P − 1).
+/// * ZB-V (two stages per rank, M a multiple of P): 3VM + (P − 1), V = 2.
+/// * ZB-V (two stages per rank, M a multiple of P): 3VM + (P − 1), V = 2.
 /// * breadth-first zero-bubble: the forward and input-gradient chains cost P − 1 each and only
 ///   the weight passes fill, 3VM + 2(P − 1); with M < P the chains over V·P stages dominate,
 ///   2(VP + M − 1) + VM.
@@ -50,6 +52,7 @@ fn expected_bubble(kind: ScheduleKind, p: usize, v: usize, m: usize) -> f64 {
             let makespan = (work + 2.0 * (pf - 1.0)).max(2.0 * (vf * pf + mf - 1.0) + vf * mf);
             return makespan / work - 1.0;
         }
+        ScheduleKind::ZeroBubbleV => return (pf - 1.0) / work,
         _ => {}
     }
     match kind {
@@ -74,6 +77,7 @@ fn layout(kind: ScheduleKind, p: usize, v: usize, m: usize) -> Option<(usize, us
             Some((p, v, m))
         }
         ScheduleKind::BreadthFirst | ScheduleKind::BreadthFirstZeroBubble => Some((p, v, m)),
+        ScheduleKind::ZeroBubbleV => Some((p, 2, (m.div_ceil(p) * p).min(32 / p * p))),
     }
 }
 
@@ -128,6 +132,11 @@ proptest! {
             ScheduleKind::ZeroBubbleH1 => {
                 prop_assert!(acts.iter().all(|&a| a <= m.min(p) as f64), "{acts:?}");
                 prop_assert_eq!(acts[0], m.min(p) as f64);
+            }
+            // At most P micro-batches enter each rank before their first stage's W: P per
+            // stage, 2P in all.
+            ScheduleKind::ZeroBubbleV => {
+                prop_assert!(acts.iter().all(|&a| a <= 2.0 * p as f64), "{acts:?}")
             }
             ScheduleKind::Interleaved | ScheduleKind::InterleavedZeroBubble => {}
         }
