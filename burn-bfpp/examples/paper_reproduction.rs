@@ -155,6 +155,57 @@ fn markdown(points: &[Point]) -> String {
             ));
         }
     }
+    out.push_str(&split_backward_tables(points));
+    out
+}
+
+/// The split-backward (zero-bubble) families against breadth-first: tokens/s per GPU and
+/// bubble of each family's best layout, and breadth-first-zb ÷ breadth-first.
+fn split_backward_tables(points: &[Point]) -> String {
+    const FAMILIES: [Family; 5] = [
+        Family::BreadthFirst,
+        Family::BreadthFirstZeroBubble,
+        Family::InterleavedZeroBubble,
+        Family::ZeroBubbleH1,
+        Family::ZeroBubbleV,
+    ];
+    let mut out = String::new();
+    for gpus in CLUSTERS {
+        out.push_str(&format!(
+            "\n### {gpus} GPUs — split backwards: tokens/s per GPU (bubble)\n\n| batch/GPU |"
+        ));
+        for f in FAMILIES {
+            out.push_str(&format!(" {f} |"));
+        }
+        out.push_str(" bf-zb ÷ bf |\n|---|---|---|---|---|---|---|\n");
+        for per_gpu in PER_GPU {
+            let get = |f: Family| {
+                points
+                    .iter()
+                    .find(|p| p.gpus == gpus && p.per_gpu == per_gpu && p.family == f)
+            };
+            out.push_str(&format!("| {per_gpu} |"));
+            for f in FAMILIES {
+                let cell = match get(f).and_then(|p| p.best.as_ref()) {
+                    Some(c) => format!(
+                        "{:.0} ({:.3})",
+                        c.score.tokens_per_s / gpus as f64,
+                        c.score.bubble_fraction
+                    ),
+                    None => "does not fit".into(),
+                };
+                out.push_str(&format!(" {cell} |"));
+            }
+            let ratio = match (
+                get(Family::BreadthFirstZeroBubble).and_then(per_gpu_rate),
+                get(Family::BreadthFirst).and_then(per_gpu_rate),
+            ) {
+                (Some(a), Some(b)) => format!("{:.3}", a / b),
+                _ => "–".into(),
+            };
+            out.push_str(&format!(" {ratio} |\n"));
+        }
+    }
     out
 }
 

@@ -106,13 +106,13 @@ fn reference(dp: usize, model: Gpt<B>, fused_head: bool) -> (Vec<f64>, Vec<f32>)
     (losses, params(&model))
 }
 
-fn engine_config(dp: usize) -> TrainConfig {
+fn engine_config(dp: usize, schedule: ScheduleKind) -> TrainConfig {
     TrainConfig::new(STEPS)
         .with_pp(2)
-        .with_loops(2)
+        .with_loops(schedule.family().default_loops)
         .with_dp(dp)
         .with_microbatches(M)
-        .with_schedule(ScheduleKind::BreadthFirst)
+        .with_schedule(schedule)
         .with_zero(ZeroLevel::Zero3)
         .with_lr(LrConfig::Constant(LR))
         .with_comm_timeout_secs(120.0)
@@ -121,7 +121,13 @@ fn engine_config(dp: usize) -> TrainConfig {
 /// Trains `model` with the engine (breadth-first, P = 2, V = 2, D = 2, ZeRO-3) and checks it
 /// against [`reference`]: losses within 1e-5, parameters within `param_tol` relative.
 fn check_against_single_device(model: &Gpt<B>, fused_head: bool, param_tol: f32) {
-    check_on_devices(model, fused_head, param_tol, None);
+    check_on_devices(
+        model,
+        fused_head,
+        param_tol,
+        None,
+        ScheduleKind::BreadthFirst,
+    );
 }
 
 /// [`check_against_single_device`] with world rank `r` on `devices[r]` when given.
@@ -130,9 +136,10 @@ fn check_on_devices(
     fused_head: bool,
     param_tol: f32,
     devices: Option<Vec<WgpuDevice>>,
+    schedule: ScheduleKind,
 ) {
     let dp = 2;
-    let cfg = engine_config(dp);
+    let cfg = engine_config(dp, schedule);
     let trainer = Trainer::new(cfg);
     let outcome = match devices {
         None => trainer.fit(model.clone(), infallible(batch)),
@@ -220,7 +227,26 @@ fn ranks_on_two_devices_match_single_device() {
         WgpuDevice::DefaultDevice,
         WgpuDevice::Cpu,
     ];
-    check_on_devices(&written_out, false, 1e-5, Some(devices));
+    check_on_devices(
+        &written_out,
+        false,
+        1e-5,
+        Some(devices),
+        ScheduleKind::BreadthFirst,
+    );
+}
+
+/// Split backwards on wgpu: `I` defers every `SplitLinear`'s weight gradient through the
+/// autodiff of a CubeCL backend, `W` computes it later on the inner backend.
+#[test]
+fn zero_bubble_schedules_on_wgpu_match_single_device() {
+    let written_out = model().with_fused(FusedMode::Off).expect("valid");
+    for schedule in [
+        ScheduleKind::ZeroBubbleH1,
+        ScheduleKind::BreadthFirstZeroBubble,
+    ] {
+        check_on_devices(&written_out, false, 1e-5, None, schedule);
+    }
 }
 
 /// A seed gives the same weights on every backend (they are drawn on the CPU and copied), so

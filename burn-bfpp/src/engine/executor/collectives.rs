@@ -102,7 +102,7 @@ where
     ) -> Result<(), EngineError> {
         let needs = |started: &Action| match action.kind {
             ActionKind::ReduceGrad => started.kind == ActionKind::ReduceGrad,
-            kind if kind.is_compute() || kind == ActionKind::Reshard => {
+            kind if kind.reads_weights() || kind == ActionKind::Reshard => {
                 started.kind == ActionKind::Unshard && started.stage == action.stage
             }
             _ => false,
