@@ -206,6 +206,21 @@ fn bf16_zero0_with_recomputation_matches_single_device_bf16() {
     check_layout(cfg, Precision::Bf16, 1e-2, 1e-2);
 }
 
+/// Split backwards in half precision: a deferred weight gradient's operands keep the dtypes
+/// the backward gave them (the head's output gradient is not the compute dtype), and `W`
+/// accumulates in fp32 like `B`.
+#[test]
+fn split_backwards_in_half_precision_match_single_device() {
+    for (kind, loops) in [
+        (ScheduleKind::ZeroBubbleH1, 1),
+        (ScheduleKind::BreadthFirstZeroBubble, 2),
+    ] {
+        let cfg = config(kind, 2, loops, DP, ZeroLevel::Zero3);
+        check_layout(cfg.clone(), Precision::Bf16, 1e-2, 1e-2);
+        check_layout(cfg, Precision::F16, 1e-3, 1e-3);
+    }
+}
+
 #[test]
 fn f16_pipelined_training_matches_single_device_f16() {
     check(Precision::F16, 1e-3, 1e-3);

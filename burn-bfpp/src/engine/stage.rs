@@ -109,7 +109,8 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
     }
 
     /// The weight gradients an `I` deferred, computed now (`xᵀ·dy`, summed per weight) and
-    /// laid out as the stage's flat gradient: zeros for every parameter `I` already covered.
+    /// laid out as the stage's flat gradient in fp32: zeros for every parameter `I` already
+    /// covered.
     /// Fails if a gradient's tag names no parameter of the stage (a `split_linear` on a
     /// tensor that is not one of the stage's parameters).
     pub(super) fn weight_grads_flat(
@@ -141,9 +142,11 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
             .zip(&self.shapes)
             .map(|(grad, shape)| {
                 let n = shape.iter().product::<usize>();
+                // fp32, the dtype the window accumulates in: under mixed precision a
+                // deferred gradient's dtype is that of its operands, which can differ.
                 match grad {
-                    Some(g) => g.reshape([n]),
-                    None => in_dtype(Tensor::<Inner<B>, 1>::zeros([n], &device), self.compute),
+                    Some(g) => in_dtype(g.reshape([n]), DType::F32),
+                    None => Tensor::<Inner<B>, 1>::zeros([n], &device),
                 }
             })
             .collect();

@@ -135,7 +135,16 @@ pub fn flatten_grads<B: AutodiffBackend, M: Module<B>>(
             let n = value.shape().num_elements();
             let part = match value.grad(self.grads) {
                 Some(grad) => grad.reshape([n]),
-                None => Tensor::zeros([n], &value.device()),
+                // In the parameter's dtype, as its gradient would be (the parts are
+                // concatenated; a split backward's deferred weights have none here).
+                None => {
+                    let zeros = Tensor::<B::InnerBackend, 1>::zeros([n], &value.device());
+                    if zeros.dtype() == value.dtype() {
+                        zeros
+                    } else {
+                        zeros.cast(value.dtype())
+                    }
+                }
             };
             self.parts.push(part);
         }
