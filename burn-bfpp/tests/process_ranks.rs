@@ -1,8 +1,8 @@
 //! Ranks as separate MPI processes (`mpirun -np 4`; feature `mpi`, the transport of CPU
-//! processes): P=2, V=2, D=2, breadth-first and interleaved, ZeRO 1 and 3, and the
-//! split-backward schedules (ZB-H1 with V=1 at ZeRO 0, interleaved and breadth-first
-//! zero-bubble and ZB-V at ZeRO 3), three AdamW steps
-//! must give the losses and final parameters of plain single-device Burn training within 1e-5
+//! processes): P=2, D=2, breadth-first and interleaved at ZeRO 1 and 3 and the split-backward
+//! schedules (ZB-H1 at ZeRO 0, interleaved and breadth-first zero-bubble and ZB-V at ZeRO 3),
+//! and a four-stage pipeline (P=4, D=1) of the four split-backward schedules. Three AdamW
+//! steps must give the losses and final parameters of plain single-device Burn training within 1e-5
 //! and bitwise those of the in-process run, and every rank's bytes sent must be the
 //! simulator's formulas (as for threads); a failing rank must stop every process with an
 //! error naming it. The rank processes also run the NCCL start-up exchange over their
@@ -43,13 +43,33 @@ const CASES: [(ScheduleKind, ZeroLevel); 8] = [
     (ScheduleKind::ZeroBubbleV, ZeroLevel::Zero3),
 ];
 
+/// The split-backward layouts of a four-stage pipeline of four processes (P=4, D=1).
+const CASES_PP4: [(ScheduleKind, ZeroLevel); 4] = [
+    (ScheduleKind::ZeroBubbleH1, ZeroLevel::Zero0),
+    (ScheduleKind::InterleavedZeroBubble, ZeroLevel::Zero0),
+    (ScheduleKind::BreadthFirstZeroBubble, ZeroLevel::Zero3),
+    (ScheduleKind::ZeroBubbleV, ZeroLevel::Zero3),
+];
+
+/// The pipeline size P of the rank processes' world of four (D = 4 / P); unset: 2.
+const PP_ENV: &str = "BFPP_TEST_RANKS_PP";
+
+/// The cases a world of four processes with pipeline size `pp` runs.
+fn cases(pp: usize) -> &'static [(ScheduleKind, ZeroLevel)] {
+    if pp == 4 {
+        &CASES_PP4
+    } else {
+        &CASES
+    }
+}
+
 /// Where a rank process writes its results (rank 0) — set by the parent test.
 const OUT_ENV: &str = "BFPP_TEST_RANKS_OUT";
 /// `rank=R,step=S`: the fault the rank processes inject (the fault test).
 const FAULT_ENV: &str = "BFPP_TEST_RANKS_FAULT";
 
-fn ranks_config(kind: ScheduleKind, zero: ZeroLevel) -> TrainConfig {
-    config(kind, 2, kind.family().default_loops, 2, zero)
+fn ranks_config(pp: usize, kind: ScheduleKind, zero: ZeroLevel) -> TrainConfig {
+    config(kind, pp, kind.family().default_loops, 4 / pp, zero)
 }
 
 /// One line per case: the losses and every parameter value as bits, and every rank's bytes
@@ -88,7 +108,8 @@ fn rank_process() {
             kind: FaultKind::Error,
         }
     });
-    let grid = RankGrid::new(2, 2).expect("grid");
+    let pp: usize = std::env::var(PP_ENV).map_or(2, |v| v.parse().expect("a pipeline size"));
+    let grid = RankGrid::new(pp, 4 / pp).expect("grid");
     let timeout = if fault.is_some() { 10 } else { 60 };
     let config = CommConfig::with_timeout(Duration::from_secs(timeout));
     let comm = burn_bfpp::comm::MpiComm::<Inner>::init(grid, Default::default(), config)
@@ -100,8 +121,9 @@ fn rank_process() {
 fn run_cases<T: Transport>(comm: &ProcessComm<Inner, T>, fault: Option<Fault>, out: &str) {
     let base = model();
     let mut lines = Vec::new();
-    for (kind, zero) in CASES {
-        let mut trainer = Trainer::new(ranks_config(kind, zero)).in_process(comm);
+    let pp = comm.grid().pp();
+    for &(kind, zero) in cases(pp) {
+        let mut trainer = Trainer::new(ranks_config(pp, kind, zero)).in_process(comm);
         if let Some(fault) = fault {
             trainer = trainer.inject_fault(fault);
         }
@@ -141,7 +163,7 @@ fn nccl_start_up<C: Communicator<Inner>>(comm: &C, grid: RankGrid) {
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         (pp.ordinals, pp.unique_id),
-        (vec![0, 0], None),
+        (vec![0; grid.pp()], None),
         "rank {rank}"
     );
     let action = CommOp::AllReduce(Group::DataParallel, ReduceOp::Sum);
@@ -221,26 +243,47 @@ fn decode(line: &str) -> (Vec<f64>, Vec<f32>, Vec<CommBytes>) {
     (losses, params, bytes)
 }
 
-/// Four MPI rank processes match plain Burn and the in-process run, and send the bytes the
-/// simulator's formulas predict.
+/// Four MPI rank processes (P=2, D=2) match plain Burn and the in-process run, and send the
+/// bytes the simulator's formulas predict.
 #[test]
 fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
+    check_world(2);
+}
+
+/// The same for a four-stage pipeline of four processes (P=4, D=1), split backwards only.
+#[test]
+fn a_four_process_pipeline_with_split_backwards_matches_single_device_burn() {
+    check_world(4);
+}
+
+/// Runs [`cases`]`(pp)` on four MPI processes with pipeline size `pp` and checks each
+/// against plain Burn, the in-process run and the simulator's bytes.
+fn check_world(pp: usize) {
     let name = "mpi";
-    let out = out_file(&format!("{name}-equivalence"));
-    let (ok, log, took) = launch(4, &[(OUT_ENV, out.to_str().expect("utf-8 temp path"))]);
-    assert!(ok, "{log}\n^ the {name} launch failed");
+    let out = out_file(&format!("{name}-equivalence-pp{pp}"));
+    let pp_text = pp.to_string();
+    let env = [
+        (OUT_ENV, out.to_str().expect("utf-8 temp path")),
+        (PP_ENV, pp_text.as_str()),
+    ];
+    let (ok, log, took) = launch(4, &env);
+    assert!(ok, "{log}\n^ the {name} launch failed (pp {pp})");
     let lines = read_results(&out);
     let _ = std::fs::remove_file(&out);
-    assert_eq!(lines.len(), CASES.len(), "one result per case:\n{log}");
-    eprintln!("{} layouts over {name} in {took:.1?}", CASES.len());
+    let cases = cases(pp);
+    assert_eq!(lines.len(), cases.len(), "one result per case:\n{log}");
+    eprintln!(
+        "{} layouts over {name} (pp {pp}) in {took:.1?}",
+        cases.len()
+    );
 
-    let (want_losses, want_params) = reference(2);
+    let (want_losses, want_params) = reference(4 / pp);
     let base = model();
-    for ((kind, zero), line) in CASES.into_iter().zip(&lines) {
+    for (&(kind, zero), line) in cases.iter().zip(&lines) {
         let (losses, flat, bytes) = decode(line);
         assert_eq!(
             bytes,
-            predicted_comm_bytes(&ranks_config(kind, zero)),
+            predicted_comm_bytes(&ranks_config(pp, kind, zero)),
             "{kind} {zero:?}: bytes sent by the MPI ranks"
         );
         // The plain-Burn reference, parameter by parameter.
@@ -261,7 +304,7 @@ fn four_mpi_processes_match_single_device_burn_and_the_in_process_run() {
             "{kind} {zero:?} over {name}: loss err {loss_err:.2e}, param err {param_err:.2e}"
         );
         // The same layout with ranks as threads: bitwise the same.
-        let local = train(&base, &ranks_config(kind, zero)).expect("in-process run");
+        let local = train(&base, &ranks_config(pp, kind, zero)).expect("in-process run");
         let local_flat: Vec<f32> = params(&local.model).into_iter().flatten().collect();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(
