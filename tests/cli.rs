@@ -277,8 +277,9 @@ fn validate_draws_the_grid_of_a_deadlock() {
             "deadlock",
             "step | rank 0 | rank 1",
             "blocked | [0B0]  | [1F1]",
-            "rank 0 blocked at 0B0 (position 1)",
-            "rank 1 blocked at 1F1 (position 0)",
+            // Each rank named with its line of the file.
+            "rank 0 (line 1) blocked at 0B0 (position 1)",
+            "rank 1 (line 2) blocked at 1F1 (position 0)",
         ],
     );
     let _ = std::fs::remove_file(&path);

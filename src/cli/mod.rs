@@ -28,7 +28,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use burn_bfpp::schedule::{
-    from_csv, PipelineSchedule, ScheduleError, ScheduleSpec, ValidationReport,
+    from_csv, with_file_lines, PipelineSchedule, ScheduleError, ScheduleSpec, ValidationReport,
 };
 use serde_json::json;
 
@@ -38,8 +38,8 @@ pub enum CliError {
     /// Bad parameters, or a schedule that does not lower or validate.
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
-    /// A schedule read from a file is malformed or invalid.
-    #[error("{}: {source}", path.display())]
+    /// A schedule read from a file is malformed or invalid (each rank it names with its line).
+    #[error("{}: {}", path.display(), with_file_lines(&source.to_string()))]
     InFile {
         /// The file.
         path: PathBuf,

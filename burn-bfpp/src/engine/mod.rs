@@ -49,8 +49,8 @@ use crate::comm::{
 use crate::model::{module_to_device, recombine, split_model, ModelSplit, PipelineModel};
 use crate::optim::AdamWSettings;
 use crate::schedule::{
-    from_csv, PipelineSchedule, Placement, Program, ProgramSpec, ScheduleKind, ScheduleSpec,
-    TimedEvent, ZeroLevel,
+    from_csv, with_file_lines, PipelineSchedule, Placement, Program, ProgramSpec, ScheduleKind,
+    ScheduleSpec, TimedEvent, ZeroLevel,
 };
 
 /// What one rank's step cost besides its compute: the host synchronisations it made and the
@@ -188,7 +188,10 @@ impl EngineConfig {
         }
         let program = match &self.schedule_file {
             Some(path) => Program::lower(self.schedule_from_file(path)?, self.zero, self.buffers)
-                .map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?,
+                .map_err(|e| {
+                let e = with_file_lines(&e.to_string());
+                EngineError::Config(format!("{}: {e}", path.display()))
+            })?,
             None => ProgramSpec::new(self.spec(), self.zero)
                 .with_buffers(self.buffers)
                 .compile()?,

@@ -131,6 +131,41 @@ fn earlier_backwards_as_input_only(mut actions: Vec<Action>) -> Vec<Action> {
     actions
 }
 
+/// `message` (an error about a schedule read with [`from_csv`]) with the file line of every
+/// rank it names: `rank 2` becomes `rank 2 (line 3)`, since line r + 1 holds rank r. Lines of
+/// a drawn grid (columns separated by ` | `) stay as they are, aligned.
+pub fn with_file_lines(message: &str) -> String {
+    message
+        .split('\n')
+        .map(|line| {
+            if line.contains(" | ") {
+                line.to_string()
+            } else {
+                annotate_ranks(line)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn annotate_ranks(line: &str) -> String {
+    let mut out = String::with_capacity(line.len() + 16);
+    let mut rest = line;
+    while let Some(at) = rest.find("rank ") {
+        let (before, after) = rest.split_at(at + "rank ".len());
+        out.push_str(before);
+        let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        let (number, tail) = after.split_at(digits);
+        out.push_str(number);
+        if let Ok(rank) = number.parse::<usize>() {
+            out.push_str(&format!(" (line {})", rank + 1));
+        }
+        rest = tail;
+    }
+    out.push_str(rest);
+    out
+}
+
 fn unquote(cell: &str) -> &str {
     cell.strip_prefix('"')
         .and_then(|c| c.strip_suffix('"'))
@@ -141,6 +176,19 @@ fn unquote(cell: &str) -> &str {
 mod tests {
     use super::super::{ActionKind, Placement, ScheduleKind, ScheduleSpec};
     use super::*;
+
+    #[test]
+    fn errors_name_the_file_line_of_each_rank() {
+        assert_eq!(
+            with_file_lines("0W0 runs before 0I0 on rank 0; rank 12 waits, ranks agree"),
+            "0W0 runs before 0I0 on rank 0 (line 1); rank 12 (line 13) waits, ranks agree"
+        );
+        let s = from_csv("0F0,0W0,0I0\n").unwrap();
+        let msg = with_file_lines(&super::super::validate(&s).unwrap_err().to_string());
+        assert!(msg.contains("rank 0 (line 1)"), "{msg}");
+        let grid = "   step | rank 0 | rank 1\n      0 | 0F0    | .";
+        assert_eq!(with_file_lines(grid), grid);
+    }
 
     #[test]
     fn generated_schedules_round_trip() {

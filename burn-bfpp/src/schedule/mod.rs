@@ -20,7 +20,7 @@ mod validate;
 mod zero_bubble;
 
 pub use action::{Action, ActionKind, TimedEvent};
-pub use csv::{from_csv, to_csv, to_csv_with, CsvNaming};
+pub use csv::{from_csv, to_csv, to_csv_with, with_file_lines, CsvNaming};
 pub use generate::{ScheduleKind, ScheduleSpec};
 pub use grid::{render_actions, render_grid};
 pub use lower_dp::{
