@@ -38,6 +38,19 @@ impl<B: FusedOps> StackBlock<B> for MlpBlock<B> {
 
 type Stack = LayerStack<B, burn::nn::Embedding<B>, MlpBlock<B>, SplitLinear<B>>;
 
+/// Held by every test of this file for its whole run. The burn-nn layers built here draw from
+/// Burn's process-wide generator without the lock `GptConfig::init_seeded` takes, so a draw
+/// of one test between another's seeding and drawing would change that test's model (seen:
+/// the seeded GPT's first loss changed from run to run). Holding one lock keeps the draws
+/// apart.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn split_stack() -> Stack {
     let device = Default::default();
     let vocab = gpt_config().vocab_size;
@@ -81,6 +94,7 @@ fn stack_config(kind: ScheduleKind, pp: usize, loops: usize, zero: ZeroLevel) ->
 
 #[test]
 fn a_layer_stack_of_split_linears_trains_like_plain_burn_under_zero_bubble_schedules() {
+    let _serial = serial();
     let model = split_stack();
     let (want_losses, want_params) = reference(model.clone());
     let mut failures = Vec::new();
@@ -111,6 +125,7 @@ fn a_layer_stack_of_split_linears_trains_like_plain_burn_under_zero_bubble_sched
 
 #[test]
 fn burn_nn_layers_are_refused_for_split_schedules_with_the_fix() {
+    let _serial = serial();
     let device = Default::default();
     let vocab = gpt_config().vocab_size;
     let blocks = (0..2)
@@ -149,6 +164,7 @@ fn burn_nn_layers_are_refused_for_split_schedules_with_the_fix() {
 
 #[test]
 fn recomputation_composes_with_the_split_backward() {
+    let _serial = serial();
     let (want_losses, want_params) = common::reference(1);
     let base = model();
     for kind in [
@@ -166,4 +182,32 @@ fn recomputation_composes_with_the_split_backward() {
             "{kind} with recomputation: loss err {loss_err:.2e}, param err {param_err:.2e}"
         );
     }
+}
+
+/// `TrainConfig::schedule_file` trains a file's order exactly like the schedule it was written
+/// from, and a configuration whose layout differs from the file's is refused naming both.
+#[test]
+fn a_schedule_file_in_the_configuration_trains_like_its_schedule() {
+    let _serial = serial();
+    use burn_bfpp::schedule::{to_csv, ScheduleSpec};
+    let kind = ScheduleKind::ZeroBubbleH1;
+    let dir = std::env::temp_dir().join(format!("bfpp-split-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("zb-h1.csv");
+    let order = ScheduleSpec::new(kind, 2, 1, M)
+        .generate()
+        .expect("generates");
+    std::fs::write(&path, to_csv(&order)).expect("writable");
+
+    let generated = train(&model(), &config(kind, 2, 1, 1, ZeroLevel::Zero3)).expect("trains");
+    let mut from_file = config(ScheduleKind::BreadthFirst, 2, 1, 1, ZeroLevel::Zero3);
+    from_file.schedule_file = Some(path.clone());
+    let outcome = train(&model(), &from_file).expect("trains from the file");
+    assert_eq!(outcome.losses, generated.losses);
+
+    from_file.pp = 4;
+    let err = train(&model(), &from_file).err().map(|e| e.to_string());
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = err.expect("a pp the file does not have is refused");
+    assert!(err.contains("zb-h1.csv") && err.contains("pp = 4"), "{err}");
 }
