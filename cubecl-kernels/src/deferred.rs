@@ -15,7 +15,7 @@
 //! Burn's backward runs on the thread that calls `backward()`, which is why the capture can
 //! be a thread-local: each pipeline rank's thread captures only its own gradients.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::cell::RefCell;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -29,9 +29,13 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::FusedOps;
 
+/// An armed capture: the type of entry it takes (`DeferredWeightGrad` of one inner backend)
+/// and the entries taken so far.
+type Sink = (TypeId, Vec<Box<dyn Any>>);
+
 thread_local! {
     /// The weight gradients deferred by the backward running on this thread, while armed.
-    static SINK: RefCell<Option<Vec<Box<dyn Any>>>> = const { RefCell::new(None) };
+    static SINK: RefCell<Option<Sink>> = const { RefCell::new(None) };
 }
 
 /// The saved operands of one deferred weight gradient: `dW = inputᵀ · grad_output`.
@@ -50,18 +54,12 @@ impl<B: Backend> DeferredWeightGrad<B> {
     pub fn weight_grad(self) -> Tensor<B, 2> {
         self.input.transpose().matmul(self.grad_output)
     }
-
-    /// Bytes the saved operands hold until [`Self::weight_grad`] runs.
-    pub fn bytes(&self) -> usize {
-        let size = |t: &Tensor<B, 2>| t.shape().num_elements() * t.dtype().size();
-        size(&self.input) + size(&self.grad_output)
-    }
 }
 
 /// Disarms the sink even if the closure panics, so a later backward on the thread is not
 /// silently deferred.
 struct Armed {
-    previous: Option<Vec<Box<dyn Any>>>,
+    previous: Option<Sink>,
 }
 
 impl Drop for Armed {
@@ -81,13 +79,15 @@ impl Drop for Armed {
 pub fn defer_weight_grads<B: Backend, R>(
     backward: impl FnOnce() -> R,
 ) -> (R, Vec<DeferredWeightGrad<B>>) {
-    let previous = SINK.with(|sink| sink.borrow_mut().replace(Vec::new()));
+    let armed = (TypeId::of::<DeferredWeightGrad<B>>(), Vec::new());
+    let previous = SINK.with(|sink| sink.borrow_mut().replace(armed));
     let guard = Armed { previous };
     let result = backward();
     let captured = SINK
         .with(|sink| sink.borrow_mut().take())
-        .unwrap_or_default();
+        .map_or_else(Vec::new, |(_, entries)| entries);
     drop(guard);
+    // The sink took only entries of this type (see `defer`).
     let deferred = captured
         .into_iter()
         .filter_map(|entry| entry.downcast::<DeferredWeightGrad<B>>().ok())
@@ -96,14 +96,16 @@ pub fn defer_weight_grads<B: Backend, R>(
     (result, deferred)
 }
 
-/// Hands `entry` to the armed sink, or gives it back if none is armed on this thread.
+/// Hands `entry` to the sink armed on this thread, or gives it back (to be registered as an
+/// ordinary gradient) when none is armed or the armed one is for another backend's entries,
+/// so a capture of the wrong type never loses a gradient.
 fn defer<B: Backend>(entry: DeferredWeightGrad<B>) -> Option<DeferredWeightGrad<B>> {
     SINK.with(|sink| match sink.borrow_mut().as_mut() {
-        Some(list) => {
+        Some((kind, list)) if *kind == TypeId::of::<DeferredWeightGrad<B>>() => {
             list.push(Box::new(entry));
             None
         }
-        None => Some(entry),
+        _ => Some(entry),
     })
 }
 

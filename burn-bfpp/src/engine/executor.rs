@@ -471,21 +471,18 @@ where
         let scale = loss_scale / self.settings.microbatches as f64;
         let compute = self.settings.precision.dtype();
         let local_prev = s > 0 && self.local(s - 1);
-        let seed = match &output {
-            StageOutput::Loss(_) => None,
-            StageOutput::Hidden(_) => Some(in_dtype(
-                out_grad.ok_or(EngineError::Missing {
-                    what: "output gradient",
-                    stage: s,
-                    microbatch: m,
-                })?,
-                compute,
-            )),
-        };
-        let run = || match (&output, seed) {
-            (StageOutput::Loss(loss), _) => Ok(loss_backward(loss, scale)),
-            (StageOutput::Hidden(h), Some(g)) => stage_backward(h, g),
-            (StageOutput::Hidden(_), None) => unreachable!("the seed was checked above"),
+        let run = || -> Result<_, EngineError> {
+            match &output {
+                StageOutput::Loss(loss) => Ok(loss_backward(loss, scale)),
+                StageOutput::Hidden(h) => {
+                    let g = out_grad.ok_or(EngineError::Missing {
+                        what: "output gradient",
+                        stage: s,
+                        microbatch: m,
+                    })?;
+                    Ok(stage_backward(h, in_dtype(g, compute))?)
+                }
+            }
         };
         let grads = if split {
             let (grads, deferred) = defer_weight_grads::<Inner<B>, _>(run);

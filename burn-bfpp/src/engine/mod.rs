@@ -210,13 +210,20 @@ impl EngineConfig {
         let order =
             from_csv(&text).map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?;
         let (pp, stages, m) = (order.num_ranks(), order.num_stages(), order.microbatches);
+        if stages % pp.max(1) != 0 {
+            return Err(EngineError::Config(format!(
+                "{} places {stages} stages on {pp} ranks; the engine needs the same number of \
+                 stages on every rank",
+                path.display()
+            )));
+        }
         let loops = stages / pp.max(1);
         for (name, here, file) in [
             ("pp", self.pp, pp),
             ("loops", self.loops, loops),
             ("microbatches", self.microbatches, m),
         ] {
-            if here != file || stages != self.pp * self.loops {
+            if here != file {
                 return Err(EngineError::Config(format!(
                     "{} runs pp={pp}, loops={loops}, microbatches={m}, but the configuration \
                      has {name} = {here}: set pp, loops and microbatches to the file's (the \

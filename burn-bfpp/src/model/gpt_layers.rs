@@ -148,9 +148,7 @@ impl<B: FusedOps> GptHead<B> {
             )),
         }
     }
-}
 
-impl<B: FusedOps> GptHead<B> {
     /// Mean next-token cross-entropy of the head's logits against `targets`; fused, the
     /// `[tokens × vocab]` logits are never materialised on backends with kernels.
     pub(super) fn loss(

@@ -53,13 +53,7 @@ impl ScheduleKind {
     /// Whether the schedule splits backwards into `I` and `W` (the model must defer its
     /// weight gradients; see `PipelineStage::splits_weight_grads`).
     pub fn splits_backward(self) -> bool {
-        matches!(
-            self,
-            ScheduleKind::ZeroBubbleH1
-                | ScheduleKind::InterleavedZeroBubble
-                | ScheduleKind::BreadthFirstZeroBubble
-                | ScheduleKind::ZeroBubbleV
-        )
+        self.family().split_backward
     }
 
     /// The command-line name.
@@ -98,6 +92,8 @@ pub struct ScheduleFamily {
     pub breadth_first: bool,
     /// Whether the family always runs on the v-shape placement (whatever the spec says).
     pub v_shape: bool,
+    /// Whether its backwards are split into `I` and `W` (a zero-bubble family).
+    pub split_backward: bool,
     /// The family's own rules on a spec (the common ones already hold); the error names
     /// the fix.
     pub check: fn(&ScheduleSpec) -> Result<(), String>,
@@ -115,6 +111,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 1,
         breadth_first: false,
         v_shape: false,
+        split_backward: false,
         check: one_stage_per_rank,
         generate: |spec, local| per_rank(local, |_, stages| gpipe(stages[0], spec.microbatches)),
     },
@@ -125,6 +122,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 1,
         breadth_first: false,
         v_shape: false,
+        split_backward: false,
         check: one_stage_per_rank,
         generate: |spec, local| {
             per_rank(local, |rank, stages| {
@@ -139,6 +137,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 2,
         breadth_first: false,
         v_shape: false,
+        split_backward: false,
         check: microbatches_multiple_of_pp,
         generate: |spec, local| {
             per_rank(local, |rank, stages| {
@@ -153,6 +152,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 2,
         breadth_first: true,
         v_shape: false,
+        split_backward: false,
         check: |_| Ok(()),
         generate: |spec, local| {
             per_rank(local, |_, stages| {
@@ -171,6 +171,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 1,
         breadth_first: false,
         v_shape: false,
+        split_backward: true,
         check: one_stage_per_rank,
         generate: |spec, local| {
             let base = per_rank(local, |rank, stages| {
@@ -189,6 +190,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 2,
         breadth_first: false,
         v_shape: false,
+        split_backward: true,
         check: microbatches_multiple_of_pp,
         generate: |spec, local| {
             let base = per_rank(local, |rank, stages| {
@@ -205,6 +207,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 2,
         breadth_first: true,
         v_shape: false,
+        split_backward: true,
         check: |_| Ok(()),
         generate: |spec, local| {
             let k = spec.bf_microbatches.unwrap_or(spec.microbatches);
@@ -224,6 +227,7 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         default_loops: 2,
         breadth_first: false,
         v_shape: true,
+        split_backward: true,
         check: |spec| {
             if spec.loops != 2 {
                 return Err(format!(
@@ -530,7 +534,17 @@ mod tests {
                 assert_eq!(name.to_uppercase().parse::<ScheduleKind>().unwrap(), kind);
             }
             let spec = ScheduleSpec::new(kind, 2, family.default_loops, 4);
-            assert!(spec.generate().is_ok(), "{kind} at its default loops");
+            let generated = spec.generate().expect("generates at its default loops");
+            let split = generated
+                .ranks
+                .iter()
+                .flatten()
+                .any(|a| a.kind == super::super::ActionKind::BackwardInput);
+            assert_eq!(
+                split,
+                kind.splits_backward(),
+                "{kind}: split_backward says otherwise"
+            );
         }
         let err = "zero-bubble"
             .parse::<ScheduleKind>()
