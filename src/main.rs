@@ -64,7 +64,7 @@ enum Command {
     /// explain one layout.
     Plan(Box<cli::plan::PlanArgs>),
     /// The best layout of each family: breadth-first, depth-first, 1f1b, gpipe, megatron, and
-    /// the zero-bubble breadth-first-zb, interleaved-zb, zb-h1, zb-v.
+    /// the zero-bubble breadth-first-zb, interleaved-zb, zb-h1, zb-v, dualpipev.
     Compare(Box<cli::plan::CompareArgs>),
     /// Start N ranks of `bfpp train` as processes: under mpirun for CPU ranks (builds with
     /// --features mpi), one process per GPU with NCCL for `--backend cuda`:
@@ -95,7 +95,8 @@ fn not_built(command: &str) -> Result<(), CliError> {
 #[derive(Debug, Args)]
 struct ScheduleArgs {
     /// Schedule family: gpipe, 1f1b, interleaved (alias depth-first), breadth-first (alias
-    /// bf), or with split backwards zb-h1, interleaved-zb, zb-v, breadth-first-zb.
+    /// bf), or with split backwards zb-h1, interleaved-zb, zb-v, breadth-first-zb,
+    /// dualpipev (overlapped forward/backward pairs).
     #[arg(long, default_value = "breadth-first", value_name = "NAME")]
     schedule: ScheduleKind,
     /// Pipeline ranks P.

@@ -281,6 +281,7 @@ fn compare_reports_every_family() {
             "breadth-first",
             "breadth-first-zb",
             "depth-first",
+            "dualpipev",
             "gpipe",
             "interleaved-zb",
             "megatron",

@@ -577,20 +577,19 @@ fn precision_flags_and_file_keys_reach_the_engine() {
 
 /// `bfpp schedule --format FORMAT` of the zero-bubble ZB-H1 at pp 2, M 4, in `dir`.
 fn zb_h1_file(dir: &std::path::Path, format: &str) -> PathBuf {
+    schedule_file(dir, &["--schedule", "zb-h1", "--pp", "2"], format)
+}
+
+/// `bfpp schedule LAYOUT --microbatches 4 --format FORMAT`, written into `dir`.
+fn schedule_file(dir: &std::path::Path, layout: &[&str], format: &str) -> PathBuf {
     let out = Command::new(env!("CARGO_BIN_EXE_bfpp"))
-        .args([
-            "schedule",
-            "--schedule",
-            "zb-h1",
-            "--pp",
-            "2",
-            "--microbatches",
-        ])
-        .args(["4", "--format", format])
+        .arg("schedule")
+        .args(layout)
+        .args(["--microbatches", "4", "--format", format])
         .output()
         .expect("the bfpp binary runs");
     assert!(out.status.success(), "{}", stderr(&out));
-    let path = dir.join(format!("zb-h1-{format}.csv"));
+    let path = dir.join(format!("{}-{format}.csv", layout.join("")));
     std::fs::write(&path, &out.stdout).expect("writable");
     path
 }
@@ -640,5 +639,41 @@ fn a_schedule_file_trains_exactly_like_the_schedule_it_was_written_from() {
         &["--schedule-file", bad.to_str().expect("utf-8")],
         &[],
         &["bad.csv", "line 1"],
+    );
+}
+
+#[test]
+fn a_dualpipev_file_with_overlapped_pairs_trains_like_the_generated_schedule() {
+    let dir = scratch_dir("train", "schedule-file-pairs");
+    let common = ["--steps", "2", "--seed", "5", "--dp", "1", "--json"];
+    let layout = ["--schedule", "dualpipev", "--pp", "2", "--loops", "2"];
+    let generated = train(
+        "dualpipev-generated",
+        &[&common[..], &layout, &["--microbatches", "4"]].concat(),
+        &[],
+    );
+    let want = losses(&json_of(&generated));
+    assert_eq!(want.len(), 2);
+    let file = schedule_file(dir.path(), &layout, "csv");
+    let text = std::fs::read_to_string(&file).expect("readable");
+    assert!(text.contains(")OVERLAP_F_B"), "{text}");
+    let from_file = train(
+        "dualpipev-file",
+        &[
+            &common[..],
+            &["--schedule-file", file.to_str().expect("utf-8")],
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(losses(&json_of(&from_file)), want);
+    // A pair of one micro-batch's forward and backward cannot run as one unit.
+    let bad = dir.path().join("same-microbatch-pair.csv");
+    std::fs::write(&bad, "0F0,(0F1;0B1)OVERLAP_F_B,0B0\n").expect("writable");
+    assert_fails(
+        "schedule-file-bad-pair",
+        &["--schedule-file", bad.to_str().expect("utf-8")],
+        &[],
+        &["rank 0 (line 1)", "pair different micro-batches"],
     );
 }

@@ -40,8 +40,9 @@ fn check_grid(
     let mut failures = Vec::new();
     let mut runs = 0;
     for dp in [1, 2] {
-        let (want_losses, want_params) = reference(dp);
         for &pp in pps {
+            let (want_losses, want_params) =
+                reference_in(base.clone(), dp, microbatches_for(kind, pp));
             for &v in loops {
                 for &zero in zeros {
                     let mut cfg = config(kind, pp, v, dp, zero);
@@ -118,6 +119,13 @@ fn interleaved_zero_bubble_matches_single_device() {
 #[test]
 fn zero_bubble_v_matches_single_device() {
     check_grid(ScheduleKind::ZeroBubbleV, &[2, 4], &[2], &SPLIT_ZERO, None);
+}
+
+/// DualPipeV's overlapped pairs: M = 2·pp micro-batches (4 at P = 2, 8 at P = 4) cut from
+/// the same global batch.
+#[test]
+fn dual_pipe_v_matches_single_device() {
+    check_grid(ScheduleKind::DualPipeV, &[2, 4], &[2], &SPLIT_ZERO, None);
 }
 
 #[test]

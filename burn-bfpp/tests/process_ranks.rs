@@ -31,7 +31,7 @@ use common::bounded::{output_text, outputs_within, LAUNCH_DEADLINE};
 use common::*;
 
 /// The layouts run by the rank processes, in this order in every process.
-const CASES: [(ScheduleKind, ZeroLevel); 8] = [
+const CASES: [(ScheduleKind, ZeroLevel); 9] = [
     (ScheduleKind::BreadthFirst, ZeroLevel::Zero1),
     (ScheduleKind::BreadthFirst, ZeroLevel::Zero3),
     (ScheduleKind::Interleaved, ZeroLevel::Zero1),
@@ -41,14 +41,18 @@ const CASES: [(ScheduleKind, ZeroLevel); 8] = [
     (ScheduleKind::InterleavedZeroBubble, ZeroLevel::Zero3),
     (ScheduleKind::BreadthFirstZeroBubble, ZeroLevel::Zero3),
     (ScheduleKind::ZeroBubbleV, ZeroLevel::Zero3),
+    // Overlapped forward/backward pairs.
+    (ScheduleKind::DualPipeV, ZeroLevel::Zero3),
 ];
 
 /// The split-backward layouts of a four-stage pipeline of four processes (P=4, D=1).
-const CASES_PP4: [(ScheduleKind, ZeroLevel); 4] = [
+const CASES_PP4: [(ScheduleKind, ZeroLevel); 6] = [
     (ScheduleKind::ZeroBubbleH1, ZeroLevel::Zero0),
     (ScheduleKind::InterleavedZeroBubble, ZeroLevel::Zero0),
     (ScheduleKind::BreadthFirstZeroBubble, ZeroLevel::Zero3),
     (ScheduleKind::ZeroBubbleV, ZeroLevel::Zero3),
+    (ScheduleKind::DualPipeV, ZeroLevel::Zero0),
+    (ScheduleKind::DualPipeV, ZeroLevel::Zero3),
 ];
 
 /// The pipeline size P of the rank processes' world of four (D = 4 / P); unset: 2.
@@ -123,12 +127,14 @@ fn run_cases<T: Transport>(comm: &ProcessComm<Inner, T>, fault: Option<Fault>, o
     let mut lines = Vec::new();
     let pp = comm.grid().pp();
     for &(kind, zero) in cases(pp) {
-        let mut trainer = Trainer::new(ranks_config(pp, kind, zero)).in_process(comm);
+        let config = ranks_config(pp, kind, zero);
+        let microbatches = config.microbatches;
+        let mut trainer = Trainer::new(config).in_process(comm);
         if let Some(fault) = fault {
             trainer = trainer.inject_fault(fault);
         }
         let outcome = trainer
-            .fit(base.clone(), infallible(batch))
+            .fit(base.clone(), infallible(batch_of(microbatches)))
             .unwrap_or_else(|e| panic!("{e}"));
         if let Some(o) = outcome {
             let bytes: Vec<CommBytes> = o.last_step.iter().map(|c| c.comm_bytes).collect();
@@ -277,9 +283,10 @@ fn check_world(pp: usize) {
         cases.len()
     );
 
-    let (want_losses, want_params) = reference(4 / pp);
     let base = model();
     for (&(kind, zero), line) in cases.iter().zip(&lines) {
+        let (want_losses, want_params) =
+            reference_in(base.clone(), 4 / pp, microbatches_for(kind, pp));
         let (losses, flat, bytes) = decode(line);
         assert_eq!(
             bytes,

@@ -4,7 +4,8 @@
 
 use burn_bfpp::schedule::{
     collective_counts, from_csv, lower_data_parallel, lower_p2p, replay, to_csv, unit_cost,
-    validate, DataParallelLowering, Placement, ScheduleKind, ScheduleSpec, SendMode, ZeroLevel,
+    validate, ActionKind, DataParallelLowering, Placement, ScheduleKind, ScheduleSpec, SendMode,
+    ZeroLevel,
 };
 use proptest::prelude::*;
 
@@ -30,6 +31,9 @@ fn expected_makespan(kind: ScheduleKind, p: usize, v: usize, m: usize, k: usize)
         ScheduleKind::BreadthFirstZeroBubble => return None,
         // Two half-size stages per rank: ZB-H1's chain over 2M micro-batch-stages.
         ScheduleKind::ZeroBubbleV => 3 * v * m + p - 1,
+        // With its pairs run one half after the other, both chains cost, as for
+        // interleaved zero-bubble at M = P.
+        ScheduleKind::DualPipeV => 3 * v * m + 2 * (p - 1),
     })
 }
 
@@ -50,6 +54,7 @@ fn spec(
             ScheduleSpec::new(kind, p, v, m.div_ceil(p) * p)
         }
         ScheduleKind::ZeroBubbleV => ScheduleSpec::new(kind, p, 2, m.div_ceil(p) * p),
+        ScheduleKind::DualPipeV => ScheduleSpec::new(kind, p, 2, m.max(2 * p)),
         ScheduleKind::BreadthFirst | ScheduleKind::BreadthFirstZeroBubble => {
             let s = ScheduleSpec::new(kind, p, v, m);
             if hybrid {
@@ -107,8 +112,28 @@ proptest! {
             weight_buffers: buffers,
             grad_buffers: buffers,
         };
+        if s.has_pairs() && zero == 3 && buffers < 2 {
+            // A pair reads both its stages' weights at once.
+            let err = lower_data_parallel(&p2p, &cfg).unwrap_err().to_string();
+            prop_assert!(err.contains("--buffers 2"), "{}", err);
+            return Ok(());
+        }
         let lowered = lower_data_parallel(&p2p, &cfg).unwrap();
         prop_assert_eq!(validate(&lowered).unwrap().makespan, validate(&s).unwrap().makespan);
+        if zero == 3 {
+            // Never more stages gathered at once than there are buffers.
+            for list in &lowered.ranks {
+                let mut gathered = 0usize;
+                for a in list {
+                    match a.kind {
+                        ActionKind::Unshard => gathered += 1,
+                        ActionKind::Reshard => gathered -= 1,
+                        _ => {}
+                    }
+                    prop_assert!(gathered <= buffers, "{:?}: {} gathered", spec, gathered);
+                }
+            }
+        }
         prop_assert_eq!(lowered.compute_only(), s.clone());
         prop_assert_eq!(from_csv(&to_csv(&lowered)).unwrap(), lowered);
         prop_assert_eq!(from_csv(&to_csv(&s)).unwrap(), s);

@@ -50,7 +50,8 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Layout")]
     pub global_batch: Option<usize>,
     /// Schedule: gpipe, 1f1b, interleaved, breadth-first, or with split backwards (the
-    /// model must defer its weight gradients) zb-h1, interleaved-zb, zb-v, breadth-first-zb.
+    /// model must defer its weight gradients) zb-h1, interleaved-zb, zb-v, breadth-first-zb,
+    /// dualpipev.
     #[arg(long, help_heading = "Layout")]
     pub schedule: Option<String>,
     /// Stage placement: looping or v-shape.

@@ -28,7 +28,7 @@ pub struct SimulateArgs {
     #[arg(long, default_value = "a100-80gb", value_name = "NAME|FILE")]
     pub hardware: String,
     /// Schedule: gpipe, 1f1b, interleaved (depth-first), breadth-first, or with split
-    /// backwards zb-h1, interleaved-zb, zb-v, breadth-first-zb.
+    /// backwards zb-h1, interleaved-zb, zb-v, breadth-first-zb, dualpipev.
     #[arg(long, default_value = "breadth-first")]
     pub schedule: ScheduleKind,
     /// Pipeline ranks P [default: 4].

@@ -32,11 +32,13 @@ pub enum Family {
     ZeroBubbleH1,
     /// ZB-V: two stages per rank in a V, split backwards.
     ZeroBubbleV,
+    /// DualPipeV: two stages per rank in a V, overlapped forward/backward pairs.
+    DualPipeV,
 }
 
 impl Family {
     /// Every family, in the order `bfpp compare` prints them.
-    pub const ALL: [Family; 9] = [
+    pub const ALL: [Family; 10] = [
         Family::BreadthFirst,
         Family::BreadthFirstZeroBubble,
         Family::DepthFirst,
@@ -44,6 +46,7 @@ impl Family {
         Family::OneFOneB,
         Family::ZeroBubbleH1,
         Family::ZeroBubbleV,
+        Family::DualPipeV,
         Family::GPipe,
         Family::Megatron,
     ];
@@ -60,6 +63,7 @@ impl Family {
             Family::InterleavedZeroBubble => "interleaved-zb",
             Family::ZeroBubbleH1 => "zb-h1",
             Family::ZeroBubbleV => "zb-v",
+            Family::DualPipeV => "dualpipev",
         }
     }
 }
@@ -111,6 +115,7 @@ impl Layout {
             (_, ScheduleKind::InterleavedZeroBubble) => Family::InterleavedZeroBubble,
             (_, ScheduleKind::BreadthFirstZeroBubble) => Family::BreadthFirstZeroBubble,
             (_, ScheduleKind::ZeroBubbleV) => Family::ZeroBubbleV,
+            (_, ScheduleKind::DualPipeV) => Family::DualPipeV,
         }
     }
 

@@ -48,6 +48,8 @@ fn live_activations(l: &Layout, r: usize) -> (usize, bool) {
         // A greedy order (see schedule::zero_bubble): only one live stage-micro-batch is
         // certain.
         ScheduleKind::ZeroBubbleV => (1, false),
+        // 2·(P − r − 1) + 2·(r + 1) forwards of both stages before the first backward.
+        ScheduleKind::DualPipeV => ((2 * p).min(v * m), false),
         ScheduleKind::Interleaved | ScheduleKind::InterleavedZeroBubble => {
             let total = m * v;
             let warmup = if m == p {
@@ -239,6 +241,11 @@ pub(super) fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                         }
                         if v == 2 && m % pp == 0 {
                             push(Strategy::Bfpp, ScheduleKind::ZeroBubbleV, 2, zero, None);
+                        }
+                        // Its pairs read both stages' weights at once: two ZeRO-3 buffers.
+                        let pairs_fit = zero != ZeroLevel::Zero3 || req.buffers >= 2;
+                        if v == 2 && m >= 2 * pp && pairs_fit {
+                            push(Strategy::Bfpp, ScheduleKind::DualPipeV, 2, zero, None);
                         }
                     }
                     let z1 = ZeroLevel::Zero1;

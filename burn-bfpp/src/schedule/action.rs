@@ -124,6 +124,11 @@ impl ActionKind {
 ///
 /// Every action naming stage `s` runs on the rank that owns stage `s`; a `RECV_F` of stage `s`
 /// receives the input of stage `s`, a `SEND_B` of stage `s` sends the gradient of its input.
+///
+/// Two computes can form one overlapped pair (PyTorch's `(…;…)OVERLAP_F_B`, which DualPipeV
+/// uses): the first carries [`Action::overlaps_next`] and the second follows it directly in
+/// the rank's list. A pair runs as one unit: both halves' inputs arrive before it and both
+/// outputs leave after it, so a runtime may run its halves concurrently.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Action {
     /// Global stage index (0 is the first stage of the model).
@@ -132,6 +137,10 @@ pub struct Action {
     pub kind: ActionKind,
     /// Micro-batch index within the optimizer step; `None` exactly for collectives.
     pub microbatch: Option<usize>,
+    /// True on the first half of an overlapped forward/backward pair: the next action in the
+    /// rank's list is the other half. Kept with the action so that lowering passes keep the
+    /// pair together and schedule files round-trip.
+    pub overlaps_next: bool,
 }
 
 impl Action {
@@ -148,6 +157,7 @@ impl Action {
             stage,
             kind,
             microbatch: Some(microbatch),
+            overlaps_next: false,
         }
     }
 
@@ -164,6 +174,7 @@ impl Action {
             stage,
             kind,
             microbatch: None,
+            overlaps_next: false,
         }
     }
 
@@ -175,6 +186,19 @@ impl Action {
     /// Full backward of `microbatch` through `stage`.
     pub fn backward(stage: usize, microbatch: usize) -> Self {
         Action::new(stage, ActionKind::Backward, microbatch)
+    }
+
+    /// This compute as the first half of an overlapped pair whose second half is the next
+    /// action of its rank (see [`Action::overlaps_next`]).
+    pub fn overlapping_next(mut self) -> Self {
+        self.overlaps_next = true;
+        self
+    }
+
+    /// The same action outside any pair.
+    pub fn alone(mut self) -> Self {
+        self.overlaps_next = false;
+        self
     }
 
     /// The micro-batch of a non-collective action (0 for collectives, which have none).

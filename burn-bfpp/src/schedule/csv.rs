@@ -13,6 +13,10 @@
 //! with a `W` of its own stage and micro-batch on its rank is the input-only backward, which
 //! no current file can mean otherwise, since there a `W` needs an `I`); [`to_csv_with`]
 //! writes either.
+//!
+//! An overlapped forward/backward pair is one cell, `(0F7;7B3)OVERLAP_F_B` as PyTorch's
+//! DualPipeV writes it; it reads as its two actions, the first marked
+//! [`Action::overlaps_next`](super::Action::overlaps_next), and is written back the same way.
 
 use super::{Action, ActionKind, PipelineSchedule, ScheduleError};
 
@@ -44,12 +48,25 @@ pub fn to_csv_with(schedule: &PipelineSchedule, naming: CsvNaming) -> String {
     };
     let mut out = String::new();
     for list in &schedule.ranks {
-        let row: Vec<String> = list.iter().map(cell).collect();
+        let mut row: Vec<String> = Vec::with_capacity(list.len());
+        let mut actions = list.iter();
+        while let Some(a) = actions.next() {
+            match (a.overlaps_next, actions.clone().next()) {
+                (true, Some(second)) => {
+                    actions.next();
+                    row.push(format!("({};{}){OVERLAP}", cell(a), cell(second)));
+                }
+                _ => row.push(cell(a)),
+            }
+        }
         out.push_str(&row.join(","));
         out.push('\n');
     }
     out
 }
+
+/// PyTorch's name of the composite action that holds an overlapped forward/backward pair.
+const OVERLAP: &str = "OVERLAP_F_B";
 
 /// Read a schedule written by [`to_csv`] or by PyTorch (empty cells are idle slots).
 ///
@@ -79,14 +96,49 @@ fn parse_row(line: usize, row: &str) -> Result<Vec<Action>, ScheduleError> {
         if cell.is_empty() {
             continue;
         }
-        let action = parse_cell(cell).map_err(|source| ScheduleError::Csv {
+        let parsed = parse_composite(cell).map_err(|source| ScheduleError::Csv {
             line,
             column: i + 1,
             source: Box::new(source),
         })?;
-        actions.push(action);
+        actions.extend(parsed);
     }
     Ok(earlier_backwards_as_input_only(actions))
+}
+
+/// One cell: an action, or a `(first;second)OVERLAP_F_B` pair as its two actions with the
+/// first marked [`Action::overlaps_next`].
+fn parse_composite(cell: &str) -> Result<Vec<Action>, ScheduleError> {
+    let Some(inner) = cell.strip_prefix('(') else {
+        return Ok(vec![parse_cell(cell)?]);
+    };
+    let bad = |reason: &str| ScheduleError::ParseAction {
+        text: cell.to_string(),
+        reason: reason.to_string(),
+    };
+    let Some((halves, kind)) = inner.split_once(')') else {
+        return Err(bad(
+            "a composite action needs its closing parenthesis, as in `(0F7;7B3)OVERLAP_F_B`",
+        ));
+    };
+    if kind.trim() != OVERLAP {
+        return Err(bad(&format!(
+            "the only composite action is {OVERLAP}, an overlapped forward/backward pair \
+             written `(0F7;7B3){OVERLAP}`"
+        )));
+    }
+    let halves: Vec<&str> = halves.split(';').map(str::trim).collect();
+    let [first, second] = halves[..] else {
+        return Err(bad(&format!(
+            "an {OVERLAP} pair holds exactly two actions separated by `;` (found {}), as in \
+             `(0F7;7B3){OVERLAP}`",
+            halves.len()
+        )));
+    };
+    Ok(vec![
+        parse_cell(first)?.overlapping_next(),
+        parse_cell(second)?,
+    ])
 }
 
 /// One action, in either naming generation (`BW` is the earlier full backward).
@@ -97,8 +149,8 @@ fn parse_cell(cell: &str) -> Result<Action, ScheduleError> {
     };
     if cell.starts_with('(') {
         return Err(unsupported(
-            "a composite action (DualPipeV's `(…;…)OVERLAP_F_B` pair) is not supported yet; \
-             write its two actions one after the other",
+            "a composite action cannot hold another composite action; write each pair as \
+             `(forward;backward)OVERLAP_F_B`",
         ));
     }
     if cell.contains("SEND_F_RECV_B") || cell.contains("SEND_B_RECV_F") {
@@ -344,20 +396,67 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_pytorch_actions_name_line_column_and_fix() {
-        let msg = from_csv("0F0,(0F1;1B0)OVERLAP_F_B,0B1\n")
-            .unwrap_err()
-            .to_string();
-        assert!(msg.contains("line 1") && msg.contains("column 2"), "{msg}");
-        assert!(
-            msg.contains("OVERLAP_F_B") && msg.contains("one after the other"),
-            "{msg}"
+    fn overlapped_pairs_read_as_two_actions_and_write_back_as_one_cell() {
+        let text = "0F0,(0F1;1B0)OVERLAP_F_B,0B1\n";
+        let s = from_csv(text).unwrap();
+        assert_eq!(
+            s.ranks[0],
+            vec![
+                Action::forward(0, 0),
+                Action::forward(0, 1).overlapping_next(),
+                Action::backward(1, 0),
+                Action::backward(0, 1),
+            ]
         );
+        assert_eq!(to_csv(&s), text);
+        // Spaces and quotes as csv.writer may leave them; the earlier naming inside a pair.
+        let s = from_csv("\" ( 0F2 ; 1BW1 )OVERLAP_F_B\"\n").unwrap();
+        assert_eq!(
+            s.ranks[0],
+            vec![
+                Action::forward(0, 2).overlapping_next(),
+                Action::backward(1, 1)
+            ]
+        );
+        assert_eq!(
+            to_csv_with(&s, CsvNaming::Legacy),
+            "(0F2;1BW1)OVERLAP_F_B\n"
+        );
+    }
+
+    #[test]
+    fn malformed_pairs_name_line_column_and_form() {
+        for (cell, want) in [
+            ("(0F1;1B0", "closing parenthesis"),
+            ("(0F1;1B0)OVERLAP_B_F", "only composite action"),
+            ("(0F1)OVERLAP_F_B", "exactly two actions"),
+            ("(0F1;1B0;0B1)OVERLAP_F_B", "exactly two actions"),
+            ("(0F1;1X0)OVERLAP_F_B", "unknown action kind"),
+        ] {
+            let msg = from_csv(&format!("0F0\n1F0,{cell}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.contains("line 2") && msg.contains("column 2"), "{msg}");
+            assert!(msg.contains(want), "{cell}: {msg}");
+        }
         let msg = from_csv("0F0\n1SEND_B_RECV_F0\n").unwrap_err().to_string();
         assert!(
             msg.contains("line 2") && msg.contains("two actions"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn a_pair_whose_halves_belong_to_different_ranks_is_refused() {
+        // Stage 1 runs on rank 1, so rank 0 cannot run 1B0 in a pair.
+        let msg = from_csv("0F0,(0F1;1B0)OVERLAP_F_B,0B0,0B1\n1F0,1F1,1B1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("stage 1") && msg.contains("OVERLAP_F_B pair"),
+            "{msg}"
+        );
+        assert!(msg.contains("rank 0") && msg.contains("rank 1"), "{msg}");
     }
 
     #[test]

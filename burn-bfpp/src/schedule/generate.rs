@@ -5,6 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::dual_pipe::dual_pipe_v;
 use super::placement::{rank_stages, Placement};
 use super::zero_bubble::{fill_weight_passes, inputs_only, zb_v};
 use super::{Action, PipelineSchedule, ScheduleError};
@@ -35,11 +36,14 @@ pub enum ScheduleKind {
     /// ZB-V: two stages per rank in a V (the v-shape placement), split backwards, 1F1B's
     /// peak memory.
     ZeroBubbleV,
+    /// DualPipeV: two stages per rank in a V whose steady state runs overlapped
+    /// forward/backward pairs, with split backwards in its warm-up and drain.
+    DualPipeV,
 }
 
 impl ScheduleKind {
     /// Every kind, in the order the command line lists them.
-    pub const ALL: [ScheduleKind; 8] = [
+    pub const ALL: [ScheduleKind; 9] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved,
@@ -48,6 +52,7 @@ impl ScheduleKind {
         ScheduleKind::InterleavedZeroBubble,
         ScheduleKind::BreadthFirstZeroBubble,
         ScheduleKind::ZeroBubbleV,
+        ScheduleKind::DualPipeV,
     ];
 
     /// Whether the schedule splits backwards into `I` and `W` (the model must defer its
@@ -103,7 +108,7 @@ pub struct ScheduleFamily {
 }
 
 /// Every schedule family, in the order the command line lists them.
-pub static REGISTRY: [ScheduleFamily; 8] = [
+pub static REGISTRY: [ScheduleFamily; 9] = [
     ScheduleFamily {
         kind: ScheduleKind::GPipe,
         name: "gpipe",
@@ -229,19 +234,48 @@ pub static REGISTRY: [ScheduleFamily; 8] = [
         v_shape: true,
         split_backward: true,
         check: |spec| {
-            if spec.loops != 2 {
-                return Err(format!(
-                    "zb-v runs two stages per rank in a V, so it needs loops = 2 (got {}); use \
-                     --loops 2",
-                    spec.loops
-                ));
-            }
+            two_stages_per_rank(spec)?;
             // Other counts leave the greedy order a bubble of several stages.
             microbatches_multiple_of_pp(spec)
         },
         generate: |spec, _| zb_v(&stage_ranks(spec), spec.pp, spec.microbatches),
     },
+    ScheduleFamily {
+        kind: ScheduleKind::DualPipeV,
+        name: "dualpipev",
+        aliases: &["dualpipe-v", "dual-pipe-v"],
+        default_loops: 2,
+        breadth_first: false,
+        v_shape: true,
+        split_backward: true,
+        check: |spec| {
+            two_stages_per_rank(spec)?;
+            if spec.microbatches < 2 * spec.pp {
+                return Err(format!(
+                    "dualpipev fills its V with 2·pp micro-batches before its steady state, so \
+                     it needs microbatches ≥ 2·pp = {} (got {}); use --microbatches {}",
+                    2 * spec.pp,
+                    spec.microbatches,
+                    2 * spec.pp
+                ));
+            }
+            Ok(())
+        },
+        generate: |spec, _| dual_pipe_v(spec.pp, spec.microbatches),
+    },
 ];
+
+/// The rule of the families that run two stages per rank in a V.
+fn two_stages_per_rank(spec: &ScheduleSpec) -> Result<(), String> {
+    if spec.loops != 2 {
+        return Err(format!(
+            "{} runs two stages per rank in a V, so it needs loops = 2 (got {}); use --loops 2",
+            spec.kind.name(),
+            spec.loops
+        ));
+    }
+    Ok(())
+}
 
 /// Runs a one-rank generator for every rank.
 fn per_rank(local: &[Vec<usize>], f: impl Fn(usize, &[usize]) -> Vec<Action>) -> Vec<Vec<Action>> {

@@ -14,16 +14,23 @@ const IDLE: &str = ".";
 
 /// One line per rank, `rank R: ` then its compute actions in order.
 ///
-/// Communication and collectives are left out; the line of a rank without compute actions is
-/// just `rank R: `.
+/// Communication and collectives are left out; an overlapped pair is written `(0F7;7B3)`; the
+/// line of a rank without compute actions is just `rank R: `.
 pub fn render_actions(schedule: &PipelineSchedule) -> String {
     let mut out = String::new();
     for (rank, list) in schedule.ranks.iter().enumerate() {
-        let actions: Vec<String> = list
-            .iter()
-            .filter(|a| a.kind.is_compute())
-            .map(ToString::to_string)
-            .collect();
+        let computes: Vec<_> = list.iter().filter(|a| a.kind.is_compute()).collect();
+        let mut actions: Vec<String> = Vec::with_capacity(computes.len());
+        let mut rest = computes.iter();
+        while let Some(a) = rest.next() {
+            match (a.overlaps_next, rest.clone().next()) {
+                (true, Some(second)) => {
+                    rest.next();
+                    actions.push(format!("({a};{second})"));
+                }
+                _ => actions.push(a.to_string()),
+            }
+        }
         // Writing into a String cannot fail.
         let _ = writeln!(out, "rank {rank}: {}", actions.join(" "));
     }

@@ -197,12 +197,33 @@ fn next_same_stage(blocks: &[Block]) -> Vec<usize> {
     next
 }
 
-/// Pick the resident entry whose next use is furthest away, skipping `keep`.
-fn furthest(resident: &[(usize, usize)], keep: Option<usize>) -> Option<usize> {
+/// The positions of the unit the compute at `p` belongs to: itself, or both halves of its
+/// overlapped pair, which nothing may come between.
+fn unit(list: &[Action], p: usize) -> (usize, usize) {
+    if list[p].overlaps_next && p + 1 < list.len() {
+        (p, p + 1)
+    } else if p > 0 && list[p - 1].overlaps_next {
+        (p - 1, p)
+    } else {
+        (p, p)
+    }
+}
+
+/// The stages of the unit at `p` other than `stage`.
+fn partners(list: &[Action], p: usize, stage: usize) -> Vec<usize> {
+    let (first, last) = unit(list, p);
+    [list[first].stage, list[last].stage]
+        .into_iter()
+        .filter(|&s| s != stage)
+        .collect()
+}
+
+/// Pick the resident entry whose next use is furthest away, skipping the stages in `keep`.
+fn furthest(resident: &[(usize, usize)], keep: &[usize]) -> Option<usize> {
     resident
         .iter()
         .enumerate()
-        .filter(|(_, (stage, _))| Some(*stage) != keep)
+        .filter(|(_, (stage, _))| !keep.contains(stage))
         .max_by_key(|(_, (stage, next))| (*next, *stage))
         .map(|(i, _)| i)
 }
@@ -232,14 +253,24 @@ fn place_weights(
         if let Some(entry) = resident.iter_mut().find(|(s, _)| *s == b.stage) {
             entry.1 = next[i];
         } else {
-            let prefetch = capacity >= 2 && i > 0;
-            let (at, in_use) = if prefetch {
-                (blocks[i - 1].first, Some(blocks[i - 1].stage))
-            } else {
-                (b.first, None)
-            };
+            // Stages in use where the gather is issued: a prefetch overlaps the previous
+            // block (and the pair it starts in); a gather just before the use must keep the
+            // other half of a pair the block starts in.
+            let own_unit = partners(list, b.first, b.stage);
+            let prefetch = (capacity >= 2 && i > 0).then(|| {
+                let prev = blocks[i - 1];
+                let mut busy = partners(list, prev.first, prev.stage);
+                busy.push(prev.stage);
+                busy.extend(own_unit.iter().copied());
+                (prev.first, busy)
+            });
+            // Both buffers held by a pair leave nothing to prefetch into.
+            let prefetch = prefetch.filter(|(_, busy)| {
+                resident.len() < capacity || furthest(&resident, busy).is_some()
+            });
+            let (at, in_use) = prefetch.unwrap_or((b.first, own_unit));
             if resident.len() >= capacity {
-                if let Some(v) = furthest(&resident, in_use) {
+                if let Some(v) = furthest(&resident, &in_use) {
                     let (victim, _) = resident.swap_remove(v);
                     ins.after[end_of(last_end[&victim])]
                         .push(Action::collective(victim, ActionKind::Reshard));
@@ -284,7 +315,7 @@ fn place_grads(
             entry.1 = next[i];
         } else {
             if open.len() >= capacity {
-                if let Some(v) = furthest(&open, None) {
+                if let Some(v) = furthest(&open, &[]) {
                     let (victim, _) = open.swap_remove(v);
                     ins.after[end_of(last_end[&victim])]
                         .push(Action::collective(victim, ActionKind::ReduceGrad));
@@ -317,6 +348,13 @@ pub fn lower_data_parallel(
                 .into(),
         ));
     }
+    if cfg.zero == ZeroLevel::Zero3 && cfg.weight_buffers < 2 && schedule.has_pairs() {
+        return Err(ScheduleError::Config(
+            "an overlapped forward/backward pair reads the weights of both its stages at once, \
+             so ZeRO-3 needs at least 2 weight buffers; use --buffers 2"
+                .into(),
+        ));
+    }
     if let Some(a) = schedule
         .ranks
         .iter()
@@ -336,32 +374,36 @@ pub fn lower_data_parallel(
                 before: vec![Vec::new(); n],
                 after: vec![Vec::new(); n],
             };
-            // After a compute at p, skip past the sends of that same stage that follow it.
+            let unit = |p: usize| unit(list, p);
+            let in_unit = |(first, last): (usize, usize), a: &Action| {
+                a.stage == list[first].stage || a.stage == list[last].stage
+            };
+            // After a compute at p, skip past the sends of that same unit that follow it.
             let end_of = |p: usize| {
-                let stage = list[p].stage;
-                let mut q = p;
+                let u = unit(p);
+                let mut q = u.1;
                 while q + 1 < n
                     && matches!(
                         list[q + 1].kind,
                         ActionKind::SendForward | ActionKind::SendBackward
                     )
-                    && list[q + 1].stage == stage
+                    && in_unit(u, &list[q + 1])
                 {
                     q += 1;
                 }
                 q
             };
-            // Before a compute at p, also before the receives of that same stage leading to it,
+            // Before a compute at p, also before the receives of that same unit leading to it,
             // so a gather is already under way while the input arrives.
             let start_of = |p: usize| {
-                let stage = list[p].stage;
-                let mut q = p;
+                let u = unit(p);
+                let mut q = u.0;
                 while q > 0
                     && matches!(
                         list[q - 1].kind,
                         ActionKind::RecvForward | ActionKind::RecvBackward
                     )
-                    && list[q - 1].stage == stage
+                    && in_unit(u, &list[q - 1])
                 {
                     q -= 1;
                 }

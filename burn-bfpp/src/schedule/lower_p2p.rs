@@ -10,6 +10,11 @@
 //! participants are all at it: a compute can run and a send meets its receive. By induction
 //! every event runs. The sender sends right after producing; the receiver receives as soon as
 //! the data exists in the unit-time replay, which is never after the compute that needs it.
+//!
+//! An overlapped forward/backward pair ([`Action::overlaps_next`]) is one event of that
+//! order: the replay starts it once both halves' inputs are there and publishes both outputs
+//! at its end, so both halves' receives come before the pair and both sends after it, and the
+//! argument above holds with the pair as one compute.
 
 use std::cmp::Ordering;
 
@@ -68,14 +73,29 @@ pub fn lower_p2p(schedule: &PipelineSchedule) -> Result<PipelineSchedule, Schedu
     for (rank, timed) in outcome.timeline.ranks.iter().enumerate() {
         for (pos, t) in timed.iter().enumerate() {
             let a = t.action;
-            events[rank].push((
-                Key {
+            // An overlapped pair is one event: its second half takes the first's key (and
+            // sorts right after it), and its outputs leave when the whole pair has ended.
+            let opened_by = pos
+                .checked_sub(1)
+                .map(|p| &timed[p])
+                .filter(|prev| prev.action.overlaps_next);
+            let key = match opened_by {
+                Some(first) => Key {
+                    time: first.start,
+                    class: 1,
+                    tiebreak: (rank, pos - 1, 1),
+                },
+                None => Key {
                     time: t.start,
                     class: 1,
                     tiebreak: (rank, pos, 0),
                 },
-                a,
-            ));
+            };
+            events[rank].push((key, a));
+            let produced = match timed.get(pos + 1) {
+                Some(second) if a.overlaps_next => second.end,
+                _ => t.end,
+            };
             let (s, mb) = (a.stage, a.mb());
             let transfer = match a.kind {
                 ActionKind::Forward if s < last_stage && owner[s + 1] != rank => Some((
@@ -98,7 +118,7 @@ pub fn lower_p2p(schedule: &PipelineSchedule) -> Result<PipelineSchedule, Schedu
             };
             if let Some((send, recv, peer, direction)) = transfer {
                 let key = Key {
-                    time: t.end,
+                    time: produced,
                     class: 0,
                     // Later producer stages first: at equal times this puts a rank's own
                     // send before the receive of its upstream neighbour's next output.

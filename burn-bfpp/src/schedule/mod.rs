@@ -9,6 +9,7 @@
 
 mod action;
 mod csv;
+mod dual_pipe;
 mod generate;
 mod grid;
 mod lower_dp;
@@ -100,21 +101,37 @@ impl PipelineSchedule {
             }
         }
         let mut stage_ranks: Vec<Option<usize>> = vec![None; num_stages];
-        for (rank, list) in ranks.iter().enumerate() {
-            for action in list {
-                match stage_ranks[action.stage] {
-                    None => stage_ranks[action.stage] = Some(rank),
-                    Some(owner) if owner != rank => {
-                        return Err(ScheduleError::Invalid {
-                            report: format!(
-                                "stage {} appears on rank {owner} and on rank {rank} (action {action}); \
-                                 every action of a stage must run on the rank that owns it",
-                                action.stage
-                            ),
+        // Owners come from the single actions first, so that a pair half on the wrong rank
+        // is the one the error names.
+        let singles_then_pairs = [false, true].into_iter().flat_map(|paired| {
+            ranks.iter().enumerate().flat_map(move |(rank, list)| {
+                (0..list.len())
+                    .filter(move |&i| pair_around(list, i).is_some() == paired)
+                    .map(move |i| (rank, list, i))
+            })
+        });
+        for (rank, list, i) in singles_then_pairs {
+            let action = &list[i];
+            match stage_ranks[action.stage] {
+                None => stage_ranks[action.stage] = Some(rank),
+                Some(owner) if owner != rank => {
+                    let pair = pair_around(list, i)
+                        .map(|(a, b)| {
+                            format!(
+                                "; both halves of the {a} + {b} OVERLAP_F_B pair must be \
+                                 stages of the rank that runs the pair"
+                            )
                         })
-                    }
-                    Some(_) => {}
+                        .unwrap_or_default();
+                    return Err(ScheduleError::Invalid {
+                        report: format!(
+                            "stage {} appears on rank {owner} and on rank {rank} (action {action}); \
+                             every action of a stage must run on the rank that owns it{pair}",
+                            action.stage
+                        ),
+                    });
                 }
+                Some(_) => {}
             }
         }
         let stage_ranks = stage_ranks
@@ -155,8 +172,24 @@ impl PipelineSchedule {
         }
     }
 
+    /// True when some rank runs an overlapped forward/backward pair.
+    pub fn has_pairs(&self) -> bool {
+        self.ranks.iter().flatten().any(|a| a.overlaps_next)
+    }
+
     /// True when the lists carry explicit point-to-point transfers.
     pub fn has_p2p(&self) -> bool {
         self.ranks.iter().flatten().any(|a| a.kind.is_p2p())
+    }
+}
+
+/// The overlapped pair that the action at `i` of `list` belongs to, if any.
+fn pair_around(list: &[Action], i: usize) -> Option<(Action, Action)> {
+    if list[i].overlaps_next {
+        list.get(i + 1).map(|&b| (list[i], b))
+    } else if i > 0 && list[i - 1].overlaps_next {
+        Some((list[i - 1], list[i]))
+    } else {
+        None
     }
 }

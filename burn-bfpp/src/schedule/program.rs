@@ -76,6 +76,7 @@ impl Program {
         buffers: usize,
     ) -> Result<Program, ScheduleError> {
         let compute = compute.compute_only();
+        super::validate::validate_pairs(&compute)?;
         let lowering = DataParallelLowering {
             zero,
             weight_buffers: buffers,

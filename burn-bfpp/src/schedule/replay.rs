@@ -256,12 +256,10 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
         }
     }
 
-    fn try_step(&mut self, rank: usize) -> Step {
-        let Some(&a) = self.head(rank) else {
-            return Step::Blocked(String::new());
-        };
+    /// When the inputs of compute `a` on `rank` are there, or what it waits for.
+    fn compute_ready(&self, rank: usize, a: Action) -> Result<f64, String> {
         let (s, mb) = (a.stage, a.mb());
-        let ready = match a.kind {
+        match a.kind {
             ActionKind::Forward => self.forward_input(rank, s, mb),
             ActionKind::Backward | ActionKind::BackwardInput => self
                 .own_fact(&self.facts.forward, Action::forward(s, mb), s, mb)
@@ -272,14 +270,56 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
                 s,
                 mb,
             ),
+            _ => Err(self.why(|| format!("{a} is not a compute"))),
+        }
+    }
+
+    /// An overlapped pair runs as one unit: it starts once both halves' inputs are there, and
+    /// both outputs count as produced when the pair ends, since they leave after it.
+    fn try_pair(&mut self, rank: usize, first: Action) -> Step {
+        let second = match self.sched.ranks[rank].get(self.pos[rank] + 1) {
+            Some(&b) if b.kind.is_compute() => b,
+            other => {
+                return Step::Blocked(self.why(|| {
+                    let found = other.map_or("the end of the list".to_string(), |b| b.to_string());
+                    format!(
+                        "{first} opens an OVERLAP_F_B pair, but {found} follows it instead of \
+                         a compute"
+                    )
+                }))
+            }
+        };
+        let ready = match self
+            .compute_ready(rank, first)
+            .and_then(|t| Ok(t.max(self.compute_ready(rank, second)?)))
+        {
+            Ok(t) => t.max(self.clock[rank]),
+            Err(why) => return Step::Blocked(why),
+        };
+        let middle = ready + (self.cost)(rank, &first);
+        let end = middle + (self.cost)(rank, &second);
+        self.record(rank, first, ready, middle, end);
+        self.record(rank, second, middle, end, end);
+        Step::Ran { partner: None }
+    }
+
+    fn try_step(&mut self, rank: usize) -> Step {
+        let Some(&a) = self.head(rank) else {
+            return Step::Blocked(String::new());
+        };
+        if a.overlaps_next {
+            return self.try_pair(rank, a);
+        }
+        let (s, mb) = (a.stage, a.mb());
+        let ready = match a.kind {
+            k if k.is_compute() => self.compute_ready(rank, a),
             ActionKind::SendForward => {
                 self.own_fact(&self.facts.forward, Action::forward(s, mb), s, mb)
             }
             ActionKind::SendBackward => {
                 self.own_fact(&self.facts.input_grad, Action::backward(s, mb), s, mb)
             }
-            ActionKind::RecvForward | ActionKind::RecvBackward => Ok(0.0),
-            ActionKind::Unshard | ActionKind::Reshard | ActionKind::ReduceGrad => Ok(0.0),
+            _ => Ok(0.0),
         };
         let ready = match ready {
             Ok(t) => t.max(self.clock[rank]),
@@ -380,12 +420,17 @@ impl<C: Fn(usize, &Action) -> f64> Replayer<'_, C> {
     }
 
     fn finish(&mut self, rank: usize, a: Action, start: f64, end: f64) {
+        self.record(rank, a, start, end, end);
+    }
+
+    /// Record `a` as run from `start` to `end`, its output available from `produced`.
+    fn record(&mut self, rank: usize, a: Action, start: f64, end: f64, produced: f64) {
         let i = self.facts.idx(a.stage, a.mb());
         match a.kind {
-            ActionKind::Forward => self.facts.forward[i] = end,
-            ActionKind::Backward | ActionKind::BackwardInput => self.facts.input_grad[i] = end,
-            ActionKind::RecvForward => self.facts.recv_forward[i] = end,
-            ActionKind::RecvBackward => self.facts.recv_backward[i] = end,
+            ActionKind::Forward => self.facts.forward[i] = produced,
+            ActionKind::Backward | ActionKind::BackwardInput => self.facts.input_grad[i] = produced,
+            ActionKind::RecvForward => self.facts.recv_forward[i] = produced,
+            ActionKind::RecvBackward => self.facts.recv_backward[i] = produced,
             _ => {}
         }
         self.timeline[rank].push(TimedAction {
@@ -448,17 +493,25 @@ pub fn replay(
     while let Some(rank) = queue.pop_front() {
         queued[rank] = false;
         while r.pos[rank] < r.sched.ranks[rank].len() {
-            let stage = r.sched.ranks[rank][r.pos[rank]].stage;
+            let list = &r.sched.ranks[rank];
+            let head = list[r.pos[rank]];
+            // A pair's second half touches its own stage's neighbours too.
+            let second = head
+                .overlaps_next
+                .then(|| list.get(r.pos[rank] + 1).map(|a| a.stage))
+                .flatten();
             match r.try_step(rank) {
                 Step::Ran { partner, .. } => {
                     if let Some(p) = partner {
                         wake(p, &mut queue, &mut queued);
                     }
-                    if stage > 0 {
-                        wake(r.sched.stage_ranks[stage - 1], &mut queue, &mut queued);
-                    }
-                    if stage + 1 < stages {
-                        wake(r.sched.stage_ranks[stage + 1], &mut queue, &mut queued);
+                    for stage in std::iter::once(head.stage).chain(second) {
+                        if stage > 0 {
+                            wake(r.sched.stage_ranks[stage - 1], &mut queue, &mut queued);
+                        }
+                        if stage + 1 < stages {
+                            wake(r.sched.stage_ranks[stage + 1], &mut queue, &mut queued);
+                        }
                     }
                 }
                 Step::Blocked(_) => break,

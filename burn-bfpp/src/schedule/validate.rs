@@ -124,6 +124,48 @@ fn check_ownership(schedule: &PipelineSchedule, problems: &mut Problems) {
     }
 }
 
+/// Every overlapped pair holds one forward and one backward (`B` or `I`) of different
+/// micro-batches, its second half directly after its first.
+fn check_pairs(schedule: &PipelineSchedule, problems: &mut Problems) {
+    for (rank, list) in schedule.ranks.iter().enumerate() {
+        for (i, a) in list.iter().enumerate().filter(|(_, a)| a.overlaps_next) {
+            let b = match list.get(i + 1) {
+                Some(b) if b.kind.is_compute() => *b,
+                other => {
+                    let found = other.map_or("the end of its list".to_string(), |b| b.to_string());
+                    problems.push(format!(
+                        "rank {rank}: {a} opens an OVERLAP_F_B pair but {found} follows it; the \
+                         pair's second half must come right after it"
+                    ));
+                    continue;
+                }
+            };
+            let pair = format!("({a};{b})OVERLAP_F_B");
+            let is_backward = |k: ActionKind| k.produces_input_grad();
+            let one_of_each = (a.kind == ActionKind::Forward && is_backward(b.kind))
+                || (b.kind == ActionKind::Forward && is_backward(a.kind));
+            if b.overlaps_next {
+                problems.push(format!(
+                    "rank {rank}: {b} closes the pair {pair} and opens another; a pair holds \
+                     exactly two actions"
+                ));
+            } else if !one_of_each {
+                problems.push(format!(
+                    "rank {rank}: the pair {pair} must hold one forward (F) and one backward \
+                     (B or I)"
+                ));
+            } else if a.mb() == b.mb() {
+                problems.push(format!(
+                    "rank {rank}: both halves of {pair} are micro-batch {}; a backward needs \
+                     its micro-batch's forward through every stage first, so the two cannot \
+                     run as one unit: pair different micro-batches",
+                    a.mb()
+                ));
+            }
+        }
+    }
+}
+
 fn check_compute(schedule: &PipelineSchedule, pos: &Tally, problems: &mut Problems) {
     for s in 0..schedule.num_stages() {
         for m in 0..schedule.microbatches {
@@ -266,6 +308,14 @@ fn check_collectives(schedule: &PipelineSchedule, problems: &mut Problems) {
     }
 }
 
+/// The structural checks of overlapped pairs alone: what the lowering passes need before
+/// they can keep each pair together.
+pub(super) fn validate_pairs(schedule: &PipelineSchedule) -> Result<(), ScheduleError> {
+    let mut problems = Problems::default();
+    check_pairs(schedule, &mut problems);
+    problems.into_result()
+}
+
 /// Check `schedule` and dry-run it with blocking semantics.
 ///
 /// On failure the error lists every structural problem found (up to 20), or for a deadlock
@@ -283,6 +333,7 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<ValidationReport, Schedul
     problems.into_result()?;
     let mut problems = Problems::default();
     let pos = Tally::new(schedule);
+    check_pairs(schedule, &mut problems);
     check_compute(schedule, &pos, &mut problems);
     if schedule.has_p2p() {
         check_p2p(schedule, &pos, &mut problems);

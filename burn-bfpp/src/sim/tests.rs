@@ -53,6 +53,10 @@ fn expected_bubble(kind: ScheduleKind, p: usize, v: usize, m: usize) -> f64 {
             return makespan / work - 1.0;
         }
         ScheduleKind::ZeroBubbleV => return (pf - 1.0) / work,
+        // The simulator runs a pair's halves one after the other, as the engine does, so the
+        // second half's input may arrive while the first runs: ZB-V's bubble. (The
+        // validator's unit replay starts a pair only when both inputs are there: 2(P − 1).)
+        ScheduleKind::DualPipeV => return (pf - 1.0) / work,
         _ => {}
     }
     match kind {
@@ -78,6 +82,7 @@ fn layout(kind: ScheduleKind, p: usize, v: usize, m: usize) -> Option<(usize, us
         }
         ScheduleKind::BreadthFirst | ScheduleKind::BreadthFirstZeroBubble => Some((p, v, m)),
         ScheduleKind::ZeroBubbleV => Some((p, 2, (m.div_ceil(p) * p).min(32 / p * p))),
+        ScheduleKind::DualPipeV => Some((p, 2, m.max(2 * p))),
     }
 }
 
@@ -139,6 +144,11 @@ proptest! {
                 prop_assert!(acts.iter().all(|&a| a <= 2.0 * p as f64), "{acts:?}")
             }
             ScheduleKind::Interleaved | ScheduleKind::InterleavedZeroBubble => {}
+            // At its peak every rank holds 2P + 1 stage-activations of half a micro-batch
+            // each, whatever M.
+            ScheduleKind::DualPipeV => {
+                prop_assert!(acts.iter().all(|&a| a == p as f64 + 0.5), "{acts:?}")
+            }
         }
     }
 }

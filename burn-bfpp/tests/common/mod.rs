@@ -68,17 +68,43 @@ pub fn token(step: usize, sample: usize, pos: usize, salt: usize) -> i64 {
 /// Micro-batch `microbatch` of replica `dp_index` at `step` (1-based): samples
 /// `(dp_index·M + microbatch)·MBS ..` of the step's global batch.
 pub fn batch(step: usize, dp_index: usize, microbatch: usize) -> MicroBatch<B> {
+    samples(step, (dp_index * M + microbatch) * MBS, MBS)
+}
+
+/// Samples per replica and step: [`M`] micro-batches of [`MBS`].
+pub const SAMPLES: usize = M * MBS;
+
+/// The micro-batches of a replica's [`SAMPLES`] cut into `m` (a divisor of them): the same
+/// global batch as [`batch`] whatever `m`, so a layout that needs more micro-batches
+/// (dualpipev: at least 2·pp) compares with the same reference.
+pub fn batch_of(m: usize) -> impl Fn(usize, usize, usize) -> MicroBatch<B> + Sync {
+    // Other counts only come from layouts the engine refuses before reading any data.
+    let size = SAMPLES.checked_div(m).unwrap_or(0).max(1);
+    move |step, dp_index, microbatch| samples(step, dp_index * SAMPLES + microbatch * size, size)
+}
+
+/// `count` samples of `step` from sample `first` on.
+fn samples(step: usize, first: usize, count: usize) -> MicroBatch<B> {
     let seq = gpt_config().seq_len;
-    let first = (dp_index * M + microbatch) * MBS;
     let ids = |salt| {
-        let v: Vec<i64> = (0..MBS)
+        let v: Vec<i64> = (0..count)
             .flat_map(|j| (0..seq).map(move |p| token(step, first + j, p, salt)))
             .collect();
-        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [MBS, seq]), &Default::default())
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [count, seq]), &Default::default())
     };
     MicroBatch {
         inputs: Inputs::Tokens(ids(0)),
         targets: Targets::Tokens(ids(1)),
+    }
+}
+
+/// Micro-batches per replica of a layout: [`M`], or the 2·pp dualpipev needs (the samples
+/// are cut finer, see [`batch_of`]).
+pub fn microbatches_for(kind: ScheduleKind, pp: usize) -> usize {
+    if kind == ScheduleKind::DualPipeV {
+        M.max(2 * pp)
+    } else {
+        M
     }
 }
 
@@ -97,6 +123,14 @@ pub fn reference(dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
 /// model's own (`PipelineModel::loss`, whose head fuses the projection with the
 /// cross-entropy); otherwise its `forward` followed by Burn's cross-entropy.
 pub fn reference_of(model: Gpt<B>, dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+    reference_in(model, dp, M)
+}
+
+/// [`reference`] with the replicas' samples cut into `m` micro-batches ([`batch_of`]), the
+/// mean of their mean losses: the same global batch, summed as a run with `m` micro-batches
+/// sums it.
+pub fn reference_in(model: Gpt<B>, dp: usize, m: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+    let batch = batch_of(m);
     let mut model = model;
     let fused_head = model.config().fused == burn_bfpp::model::FusedMode::On;
     let mut optim = adamw().init::<B, Gpt<B>>();
@@ -105,8 +139,8 @@ pub fn reference_of(model: Gpt<B>, dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
     for step in 1..=STEPS {
         let mut total: Option<Tensor<B, 1>> = None;
         for d in 0..dp {
-            for m in 0..M {
-                let mb = batch(step, d, m);
+            for microbatch in 0..m {
+                let mb = batch(step, d, microbatch);
                 if fused_head {
                     let loss = model.loss(&mb).expect("loss");
                     total = Some(match total {
@@ -127,7 +161,7 @@ pub fn reference_of(model: Gpt<B>, dp: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
                 });
             }
         }
-        let loss = total.expect("non-empty batch") / (dp * M) as f64;
+        let loss = total.expect("non-empty batch") / (dp * m) as f64;
         losses.push(loss.clone().into_scalar() as f64);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr_at(step), model, grads);
@@ -176,7 +210,7 @@ pub fn max_param_err(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
 
 /// The bytes every world rank's step list sends under `cfg`, by the simulator's formulas
 /// ([`burn_bfpp::sim::step_comm_bytes`]) with this model's real stage sizes: messages of
-/// `MBS × seq × hidden` activations and weights gathered in the compute dtype, gradients
+/// `samples per micro-batch × seq × hidden` activations and weights gathered in the compute dtype, gradients
 /// reduced in fp32 (what the engine does).
 pub fn predicted_comm_bytes(cfg: &TrainConfig) -> Vec<burn_bfpp::comm::CommBytes> {
     use burn_bfpp::model::split_model;
@@ -185,8 +219,9 @@ pub fn predicted_comm_bytes(cfg: &TrainConfig) -> Vec<burn_bfpp::comm::CommBytes
     let mut sim = SimConfig::unit();
     sim.dp = cfg.dp;
     sim.zero = cfg.zero;
+    let m = cfg.microbatches;
     let mut table =
-        CostTable::new(&sim, &program.stage_ranks, program.num_ranks(), M).expect("unit costs");
+        CostTable::new(&sim, &program.stage_ranks, program.num_ranks(), m).expect("unit costs");
     let base = model();
     let ranges = split_model(&base, program.num_stages(), &cfg.split).expect("split");
     table.parameters = base
@@ -197,7 +232,8 @@ pub fn predicted_comm_bytes(cfg: &TrainConfig) -> Vec<burn_bfpp::comm::CommBytes
         .collect();
     let elem = cfg.precision.dtype().size() as u64;
     let g = gpt_config();
-    table.message_bytes = vec![(MBS * g.seq_len * g.hidden) as u64 * elem; program.num_stages()];
+    let samples = (SAMPLES / m * g.seq_len * g.hidden) as u64;
+    table.message_bytes = vec![samples * elem; program.num_stages()];
     table.weight_elem_bytes = elem;
     table.grad_elem_bytes = 4;
     let per_pp = step_comm_bytes(&program, &table, cfg.dp, cfg.zero);
@@ -215,7 +251,7 @@ pub fn config(
         .with_pp(pp)
         .with_loops(loops)
         .with_dp(dp)
-        .with_microbatches(M)
+        .with_microbatches(microbatches_for(kind, pp))
         .with_schedule(kind)
         .with_zero(zero)
         .with_adamw(adamw())
@@ -225,7 +261,7 @@ pub fn config(
 
 /// The tiny GPT trained under `cfg` on [`batch`], ranks as threads.
 pub fn train(model: &Gpt<B>, cfg: &TrainConfig) -> Result<TrainOutcome<Gpt<B>>, EngineError> {
-    Trainer::new(cfg.clone()).fit(model.clone(), infallible(batch))
+    Trainer::new(cfg.clone()).fit(model.clone(), infallible(batch_of(cfg.microbatches)))
 }
 
 /// [`train`] stopped after `steps` of the configuration's schedule.
@@ -236,5 +272,5 @@ pub fn train_for(
 ) -> Result<TrainOutcome<Gpt<B>>, EngineError> {
     Trainer::new(cfg.clone())
         .stop_after(steps)
-        .fit(model.clone(), infallible(batch))
+        .fit(model.clone(), infallible(batch_of(cfg.microbatches)))
 }
