@@ -245,3 +245,18 @@ fn zero_bubble_bubbles_on_four_processes_are_the_simulators_within_ten_percent()
         );
     }
 }
+
+/// DualPipeV's overlapped pairs, run half after half, against ZB-V on the same V placement:
+/// the simulator replays the run's own durations of every pair's halves.
+#[test]
+fn dualpipev_bubble_on_four_processes_is_the_simulators_within_ten_percent() {
+    let (zbv_measured, zbv_replayed) = check(ScheduleKind::ZeroBubbleV, 4, 8);
+    let (dual_measured, dual_replayed) = check(ScheduleKind::DualPipeV, 4, 8);
+    eprintln!(
+        "dualpipev against zb-v, P=4 M=8: measured bubble {dual_measured:.3} vs \
+         {zbv_measured:.3} (ratio {:.2}); simulator {dual_replayed:.3} vs {zbv_replayed:.3} \
+         (ratio {:.2})",
+        dual_measured / zbv_measured,
+        dual_replayed / zbv_replayed
+    );
+}

@@ -97,14 +97,14 @@ impl StepProfile {
                         let ready = matching_send(e.action)
                             .and_then(|a| sent.get(&a))
                             .map_or(e.end, |&t| t.max(e.start));
-                        durations.insert(e.action, (e.end - ready).max(0.0));
+                        durations.insert(e.action.alone(), (e.end - ready).max(0.0));
                         previous_end = e.end;
                     }
                     ActionKind::Reshard => {}
                     _ => {
                         // A collective finished after it started appears twice (its start,
                         // then its wait): the rank spent both on it.
-                        *durations.entry(e.action).or_insert(0.0) += e.end - previous_end;
+                        *durations.entry(e.action.alone()).or_insert(0.0) += e.end - previous_end;
                         previous_end = e.end;
                     }
                 }

@@ -83,7 +83,10 @@ struct Engine<'a> {
 
 /// The measured duration of `a` if there is one, else the table's figure `table`.
 fn duration(measured: Option<&ActionDurations>, a: Action, table: f64) -> f64 {
-    measured.and_then(|m| m.get(&a)).copied().unwrap_or(table)
+    measured
+        .and_then(|m| m.get(&a.alone()))
+        .copied()
+        .unwrap_or(table)
 }
 
 fn missing(rank: usize, a: Action, what: Action) -> SimError {
@@ -437,7 +440,9 @@ pub fn simulate(schedule: &PipelineSchedule, cfg: &SimConfig) -> Result<SimResul
     simulate_costed(schedule, cfg, &costs, None)
 }
 
-/// Durations of individual actions (seconds), e.g. measured by the training engine.
+/// Durations of individual actions (seconds), e.g. measured by the training engine, keyed
+/// by the action outside any pair ([`Action::alone`]): a half of an overlapped pair takes the
+/// duration recorded for its action, however the recorder spelled the pair.
 pub type ActionDurations = HashMap<Action, f64>;
 
 /// Simulate with an explicit cost table (sizes, and durations per stage) and, optionally,
