@@ -18,7 +18,7 @@
 //! DualPipeV writes it; it reads as its two actions, the first marked
 //! [`Action::overlaps_next`](super::Action::overlaps_next), and is written back the same way.
 
-use super::{Action, ActionKind, PipelineSchedule, ScheduleError};
+use super::{units, Action, ActionKind, PipelineSchedule, ScheduleError};
 
 /// Which generation of PyTorch's action names a schedule CSV uses for the backward actions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,17 +48,13 @@ pub fn to_csv_with(schedule: &PipelineSchedule, naming: CsvNaming) -> String {
     };
     let mut out = String::new();
     for list in &schedule.ranks {
-        let mut row: Vec<String> = Vec::with_capacity(list.len());
-        let mut actions = list.iter();
-        while let Some(a) = actions.next() {
-            match (a.overlaps_next, actions.clone().next()) {
-                (true, Some(second)) => {
-                    actions.next();
-                    row.push(format!("({};{}){OVERLAP}", cell(a), cell(second)));
-                }
-                _ => row.push(cell(a)),
-            }
-        }
+        let row: Vec<String> = units(list)
+            .into_iter()
+            .map(|unit| match unit {
+                (a, Some(second)) => format!("({};{}){OVERLAP}", cell(a), cell(second)),
+                (a, None) => cell(a),
+            })
+            .collect();
         out.push_str(&row.join(","));
         out.push('\n');
     }

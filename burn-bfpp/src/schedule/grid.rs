@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use super::{
-    replay, unit_cost, PipelineSchedule, ReplayOutcome, ScheduleError, SendMode, Timeline,
+    replay, unit_cost, units, PipelineSchedule, ReplayOutcome, ScheduleError, SendMode, Timeline,
 };
 
 /// Mark of a rank that is idle during a time step.
@@ -19,18 +19,13 @@ const IDLE: &str = ".";
 pub fn render_actions(schedule: &PipelineSchedule) -> String {
     let mut out = String::new();
     for (rank, list) in schedule.ranks.iter().enumerate() {
-        let computes: Vec<_> = list.iter().filter(|a| a.kind.is_compute()).collect();
-        let mut actions: Vec<String> = Vec::with_capacity(computes.len());
-        let mut rest = computes.iter();
-        while let Some(a) = rest.next() {
-            match (a.overlaps_next, rest.clone().next()) {
-                (true, Some(second)) => {
-                    rest.next();
-                    actions.push(format!("({a};{second})"));
-                }
-                _ => actions.push(a.to_string()),
-            }
-        }
+        let actions: Vec<String> = units(list.iter().filter(|a| a.kind.is_compute()))
+            .into_iter()
+            .map(|unit| match unit {
+                (a, Some(second)) => format!("({a};{second})"),
+                (a, None) => a.to_string(),
+            })
+            .collect();
         // Writing into a String cannot fail.
         let _ = writeln!(out, "rank {rank}: {}", actions.join(" "));
     }

@@ -20,7 +20,7 @@
 
 use std::str::FromStr;
 
-use super::{Action, ActionKind, PipelineSchedule, ScheduleError};
+use super::{unit_span, Action, ActionKind, PipelineSchedule, ScheduleError};
 
 /// ZeRO level: how much of the training state is sharded over the data-parallel group. In
 /// configuration files: its number, 0 to 3.
@@ -197,21 +197,10 @@ fn next_same_stage(blocks: &[Block]) -> Vec<usize> {
     next
 }
 
-/// The positions of the unit the compute at `p` belongs to: itself, or both halves of its
-/// overlapped pair, which nothing may come between.
-fn unit(list: &[Action], p: usize) -> (usize, usize) {
-    if list[p].overlaps_next && p + 1 < list.len() {
-        (p, p + 1)
-    } else if p > 0 && list[p - 1].overlaps_next {
-        (p - 1, p)
-    } else {
-        (p, p)
-    }
-}
-
-/// The stages of the unit at `p` other than `stage`.
+/// The stages of the unit at `p` (see [`unit_span`]: nothing may come between a pair's
+/// halves) other than `stage`.
 fn partners(list: &[Action], p: usize, stage: usize) -> Vec<usize> {
-    let (first, last) = unit(list, p);
+    let (first, last) = unit_span(list, p);
     [list[first].stage, list[last].stage]
         .into_iter()
         .filter(|&s| s != stage)
@@ -374,7 +363,7 @@ pub fn lower_data_parallel(
                 before: vec![Vec::new(); n],
                 after: vec![Vec::new(); n],
             };
-            let unit = |p: usize| unit(list, p);
+            let unit = |p: usize| unit_span(list, p);
             let in_unit = |(first, last): (usize, usize), a: &Action| {
                 a.stage == list[first].stage || a.stage == list[last].stage
             };

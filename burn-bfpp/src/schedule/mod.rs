@@ -106,7 +106,7 @@ impl PipelineSchedule {
         let singles_then_pairs = [false, true].into_iter().flat_map(|paired| {
             ranks.iter().enumerate().flat_map(move |(rank, list)| {
                 (0..list.len())
-                    .filter(move |&i| pair_around(list, i).is_some() == paired)
+                    .filter(move |&i| pair_span(list, i).is_some() == paired)
                     .map(move |i| (rank, list, i))
             })
         });
@@ -115,7 +115,8 @@ impl PipelineSchedule {
             match stage_ranks[action.stage] {
                 None => stage_ranks[action.stage] = Some(rank),
                 Some(owner) if owner != rank => {
-                    let pair = pair_around(list, i)
+                    let pair = pair_span(list, i)
+                        .map(|(a, b)| (list[a], list[b]))
                         .map(|(a, b)| {
                             format!(
                                 "; both halves of the {a} + {b} OVERLAP_F_B pair must be \
@@ -183,13 +184,31 @@ impl PipelineSchedule {
     }
 }
 
-/// The overlapped pair that the action at `i` of `list` belongs to, if any.
-fn pair_around(list: &[Action], i: usize) -> Option<(Action, Action)> {
-    if list[i].overlaps_next {
-        list.get(i + 1).map(|&b| (list[i], b))
+/// The positions of the overlapped pair that the action at `i` of `list` belongs to, if any.
+fn pair_span(list: &[Action], i: usize) -> Option<(usize, usize)> {
+    if list[i].overlaps_next && i + 1 < list.len() {
+        Some((i, i + 1))
     } else if i > 0 && list[i - 1].overlaps_next {
-        Some((list[i - 1], list[i]))
+        Some((i - 1, i))
     } else {
         None
     }
+}
+
+/// The positions `list` runs as one unit with the action at `i`: both halves of its
+/// overlapped pair, or the action alone.
+fn unit_span(list: &[Action], i: usize) -> (usize, usize) {
+    pair_span(list, i).unwrap_or((i, i))
+}
+
+/// `list` in the units it runs in: each action alone, or an overlapped pair's two halves
+/// together (the second one `Some`).
+fn units<'a>(list: impl IntoIterator<Item = &'a Action>) -> Vec<(&'a Action, Option<&'a Action>)> {
+    let mut out = Vec::new();
+    let mut rest = list.into_iter();
+    while let Some(a) = rest.next() {
+        let second = if a.overlaps_next { rest.next() } else { None };
+        out.push((a, second));
+    }
+    out
 }
