@@ -435,44 +435,50 @@ fn a_schedule_file_simulates_like_the_schedule_it_was_written_from() {
         "--zero",
         "3",
     ];
-    let generated = json(
-        &[
+    // dualpipev's file holds overlapped (F;B)OVERLAP_F_B pairs.
+    for schedule in ["breadth-first", "dualpipev"] {
+        let generated = json(
             &[
+                &[
+                    "simulate",
+                    "--model",
+                    "unit",
+                    "--schedule",
+                    schedule,
+                    "--json",
+                ][..],
+                &layout,
+            ]
+            .concat(),
+        );
+        for format in ["csv", "csv-legacy"] {
+            let path = temp(&format!("file-{schedule}-{format}.csv"));
+            let file = path.to_str().expect("a UTF-8 temporary path");
+            ok(&[
+                &["schedule", "--schedule", schedule, "--format", format][..],
+                &["--output", file],
+                &layout,
+            ]
+            .concat());
+            let text = std::fs::read_to_string(&path).expect("written");
+            assert_eq!(text.contains("OVERLAP_F_B"), schedule == "dualpipev");
+            let from_file = json(&[
                 "simulate",
                 "--model",
                 "unit",
-                "--schedule",
-                "breadth-first",
+                "--zero",
+                "3",
+                "--schedule-file",
+                file,
                 "--json",
-            ][..],
-            &layout,
-        ]
-        .concat(),
-    );
-    for format in ["csv", "csv-legacy"] {
-        let path = temp(&format!("file-{format}.csv"));
-        let file = path.to_str().expect("a UTF-8 temporary path");
-        ok(&[
-            &["schedule", "--format", format, "--output", file][..],
-            &layout,
-        ]
-        .concat());
-        let from_file = json(&[
-            "simulate",
-            "--model",
-            "unit",
-            "--zero",
-            "3",
-            "--schedule-file",
-            file,
-            "--json",
-        ]);
-        assert_eq!(from_file, generated, "{format}");
-        assert_fails_with(
-            &["simulate", "--schedule-file", file, "--pp", "3"],
-            &["--pp 3 disagrees", "drop --pp"],
-        );
-        let _ = std::fs::remove_file(&path);
+            ]);
+            assert_eq!(from_file, generated, "{schedule} {format}");
+            assert_fails_with(
+                &["simulate", "--schedule-file", file, "--pp", "3"],
+                &["--pp 3 disagrees", "drop --pp"],
+            );
+            let _ = std::fs::remove_file(&path);
+        }
     }
     // A compute-only file with PyTorch's idle cells.
     let path = temp("idle.csv");
