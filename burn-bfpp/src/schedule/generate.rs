@@ -179,13 +179,10 @@ pub static REGISTRY: [ScheduleFamily; 9] = [
         split_backward: true,
         check: one_stage_per_rank,
         generate: |spec, local| {
-            let base = per_rank(local, |rank, stages| {
-                inputs_only(one_f_one_b(stages[0], spec.pp, rank, spec.microbatches))
-            });
             // Rank r holds P − r micro-batches in 1F1B; r pending W's bring every rank to
             // rank 0's P, 1F1B's peak (ZB-H1's memory rule).
             let caps: Vec<usize> = (0..spec.pp).collect();
-            fill_weight_passes(base, &stage_ranks(spec), spec.microbatches, &caps)
+            split_and_fill(ScheduleKind::OneFOneB, spec, local, &caps)
         },
     },
     ScheduleFamily {
@@ -198,11 +195,8 @@ pub static REGISTRY: [ScheduleFamily; 9] = [
         split_backward: true,
         check: microbatches_multiple_of_pp,
         generate: |spec, local| {
-            let base = per_rank(local, |rank, stages| {
-                inputs_only(interleaved(stages, spec.pp, rank, spec.microbatches))
-            });
             let caps: Vec<usize> = (0..spec.pp).collect();
-            fill_weight_passes(base, &stage_ranks(spec), spec.microbatches, &caps)
+            split_and_fill(ScheduleKind::Interleaved, spec, local, &caps)
         },
     },
     ScheduleFamily {
@@ -216,13 +210,10 @@ pub static REGISTRY: [ScheduleFamily; 9] = [
         check: |_| Ok(()),
         generate: |spec, local| {
             let k = spec.bf_microbatches.unwrap_or(spec.microbatches);
-            let base = per_rank(local, |_, stages| {
-                inputs_only(breadth_first(stages, spec.microbatches, k))
-            });
             // Breadth-first already keeps every micro-batch of a sweep alive until its
             // backward, and a pending W keeps less than that: no cap beyond the sweep.
             let caps = vec![k * spec.loops; spec.pp];
-            fill_weight_passes(base, &stage_ranks(spec), spec.microbatches, &caps)
+            split_and_fill(ScheduleKind::BreadthFirst, spec, local, &caps)
         },
     },
     ScheduleFamily {
@@ -275,6 +266,21 @@ fn two_stages_per_rank(spec: &ScheduleSpec) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// A zero-bubble family's order: the `base` family's, with `I` for every `B` and the `W`s
+/// placed by [`fill_weight_passes`] with at most `caps[r]` pending on rank r.
+fn split_and_fill(
+    base: ScheduleKind,
+    spec: &ScheduleSpec,
+    local: &[Vec<usize>],
+    caps: &[usize],
+) -> Vec<Vec<Action>> {
+    let order = (base.family().generate)(spec, local)
+        .into_iter()
+        .map(inputs_only)
+        .collect();
+    fill_weight_passes(order, &stage_ranks(spec), spec.microbatches, caps)
 }
 
 /// Runs a one-rank generator for every rank.
