@@ -221,7 +221,8 @@ impl TrainArgs {
             let order = super::read_schedule_file(path, self.pp, self.loops, self.microbatches)
                 .map_err(|e| TrainError::Config(e.to_string()))?;
             t.pp = order.num_ranks();
-            t.loops = order.num_stages() / order.num_ranks().max(1);
+            // Uneven stages are refused by the engine, naming the file.
+            t.loops = order.stages_per_rank().unwrap_or(t.loops);
             t.microbatches = order.microbatches;
             t.schedule_file = Some(path.clone());
         }

@@ -209,15 +209,15 @@ impl EngineConfig {
         })?;
         let order =
             from_csv(&text).map_err(|e| EngineError::Config(format!("{}: {e}", path.display())))?;
-        let (pp, stages, m) = (order.num_ranks(), order.num_stages(), order.microbatches);
-        if stages % pp.max(1) != 0 {
-            return Err(EngineError::Config(format!(
-                "{} places {stages} stages on {pp} ranks; the engine needs the same number of \
+        let (pp, m) = (order.num_ranks(), order.microbatches);
+        let loops = order.stages_per_rank().ok_or_else(|| {
+            EngineError::Config(format!(
+                "{} places {} stages on {pp} ranks; the engine needs the same number of \
                  stages on every rank",
-                path.display()
-            )));
-        }
-        let loops = stages / pp.max(1);
+                path.display(),
+                order.num_stages()
+            ))
+        })?;
         for (name, here, file) in [
             ("pp", self.pp, pp),
             ("loops", self.loops, loops),

@@ -173,6 +173,13 @@ impl PipelineSchedule {
         }
     }
 
+    /// Stages per rank V when every rank holds the same number (as the engine needs), else
+    /// `None`.
+    pub fn stages_per_rank(&self) -> Option<usize> {
+        let ranks = self.num_ranks();
+        (ranks > 0 && self.num_stages() % ranks == 0).then(|| self.num_stages() / ranks)
+    }
+
     /// True when some rank runs an overlapped forward/backward pair.
     pub fn has_pairs(&self) -> bool {
         self.ranks.iter().flatten().any(|a| a.overlaps_next)
