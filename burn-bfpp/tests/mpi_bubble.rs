@@ -26,7 +26,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::comm::{CommConfig, MpiComm, RankGrid};
 use burn_bfpp::engine::{infallible, LrConfig, StepProfile, TrainConfig, Trainer};
 use burn_bfpp::model::{Gpt, GptConfig, Inputs, MicroBatch, Targets};
-use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};
+use burn_bfpp::schedule::{Action, ScheduleKind, ZeroLevel};
 use burn_bfpp::sim::{simulate_costed, CostTable, Dtype, Execution, SimConfig};
 
 type B = Autodiff<Flex>;
@@ -106,6 +106,21 @@ fn bubble_rank_process() {
         return;
     };
     let program = cfg.program().expect("valid layout");
+    // Rank 0 holds every rank's timeline as the ranks reported it: each ran its program's
+    // computes in order, overlapped pairs marked as such.
+    for (rank, list) in program.ranks.iter().enumerate() {
+        let ran: Vec<Action> = outcome.timelines[rank]
+            .iter()
+            .filter(|e| e.step == 2 && e.action.kind.is_compute())
+            .map(|e| e.action)
+            .collect();
+        let want: Vec<Action> = list
+            .iter()
+            .copied()
+            .filter(|a| a.kind.is_compute())
+            .collect();
+        assert_eq!(ran, want, "{kind}: rank {rank}'s reported step 2");
+    }
     let mut sim = SimConfig::unit();
     sim.dtype = Dtype::Fp32;
     sim.execution = Execution::Serial;
@@ -223,64 +238,48 @@ fn the_measured_bubble_is_the_simulators_within_ten_percent() {
     check(ScheduleKind::BreadthFirst, 2, M);
 }
 
+/// Runs `split` and `base` on `pp` processes (M = 8), each checked by [`check`], and prints
+/// their measured and replayed bubbles side by side.
+fn compare(base: ScheduleKind, split: ScheduleKind, pp: usize) {
+    let (base_measured, base_replayed) = check(base, pp, 8);
+    let (split_measured, split_replayed) = check(split, pp, 8);
+    eprintln!(
+        "{split} against {base}, P={pp} M=8: measured bubble {split_measured:.3} vs \
+         {base_measured:.3} (ratio {:.2}); simulator {split_replayed:.3} vs \
+         {base_replayed:.3} (ratio {:.2})",
+        split_measured / base_measured,
+        split_replayed / base_replayed
+    );
+}
+
 /// Issue 36's measurement: each split-backward schedule against its base on four processes.
 /// The figures (with `--nocapture`) go to docs/benchmarks.md.
 #[test]
 fn zero_bubble_bubbles_on_four_processes_are_the_simulators_within_ten_percent() {
-    for (base, split) in [
-        (ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1),
-        (
-            ScheduleKind::BreadthFirst,
-            ScheduleKind::BreadthFirstZeroBubble,
-        ),
-    ] {
-        let (base_measured, base_replayed) = check(base, 4, 8);
-        let (split_measured, split_replayed) = check(split, 4, 8);
-        eprintln!(
-            "{split} against {base}, P=4 M=8: measured bubble {split_measured:.3} vs \
-             {base_measured:.3} (ratio {:.2}); simulator {split_replayed:.3} vs \
-             {base_replayed:.3} (ratio {:.2})",
-            split_measured / base_measured,
-            split_replayed / base_replayed
-        );
-    }
+    compare(ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1, 4);
+    compare(
+        ScheduleKind::BreadthFirst,
+        ScheduleKind::BreadthFirstZeroBubble,
+        4,
+    );
 }
 
 /// DualPipeV's overlapped pairs, run half after half, against ZB-V on the same V placement:
 /// the simulator replays the run's own durations of every pair's halves.
 #[test]
 fn dualpipev_bubble_on_four_processes_is_the_simulators_within_ten_percent() {
-    let (zbv_measured, zbv_replayed) = check(ScheduleKind::ZeroBubbleV, 4, 8);
-    let (dual_measured, dual_replayed) = check(ScheduleKind::DualPipeV, 4, 8);
-    eprintln!(
-        "dualpipev against zb-v, P=4 M=8: measured bubble {dual_measured:.3} vs \
-         {zbv_measured:.3} (ratio {:.2}); simulator {dual_replayed:.3} vs {zbv_replayed:.3} \
-         (ratio {:.2})",
-        dual_measured / zbv_measured,
-        dual_replayed / zbv_replayed
-    );
+    compare(ScheduleKind::ZeroBubbleV, ScheduleKind::DualPipeV, 4);
 }
 
 /// The same comparisons on two processes, a core each on the 2-core machines: the bubble the
 /// schedules differ in is not drowned by four processes sharing two cores.
 #[test]
 fn split_backwards_on_two_processes_with_a_core_each_are_the_simulators_within_ten_percent() {
-    for (base, split) in [
-        (ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1),
-        (
-            ScheduleKind::BreadthFirst,
-            ScheduleKind::BreadthFirstZeroBubble,
-        ),
-        (ScheduleKind::ZeroBubbleV, ScheduleKind::DualPipeV),
-    ] {
-        let (base_measured, base_replayed) = check(base, 2, 8);
-        let (split_measured, split_replayed) = check(split, 2, 8);
-        eprintln!(
-            "{split} against {base}, P=2 M=8: measured bubble {split_measured:.3} vs \
-             {base_measured:.3} (ratio {:.2}); simulator {split_replayed:.3} vs \
-             {base_replayed:.3} (ratio {:.2})",
-            split_measured / base_measured,
-            split_replayed / base_replayed
-        );
-    }
+    compare(ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1, 2);
+    compare(
+        ScheduleKind::BreadthFirst,
+        ScheduleKind::BreadthFirstZeroBubble,
+        2,
+    );
+    compare(ScheduleKind::ZeroBubbleV, ScheduleKind::DualPipeV, 2);
 }

@@ -31,8 +31,9 @@ const REPORT_TAG: u64 = 1;
 #[derive(Debug, Serialize, Deserialize)]
 struct RankReport {
     losses: Vec<Option<u64>>,
-    /// `(step, start bits, end bits, action)`.
-    events: Vec<(usize, u64, u64, String)>,
+    /// `(step, start bits, end bits, action, opens an overlapped pair)`: the action's text
+    /// does not carry the pair mark.
+    events: Vec<(usize, u64, u64, String, bool)>,
     peak_param_bytes: usize,
     /// The rank's time zero on the system clock, nanoseconds since the Unix epoch: rank 0
     /// moves every rank's events onto its own time zero with it.
@@ -167,6 +168,7 @@ where
                     e.start.to_bits(),
                     e.end.to_bits(),
                     e.action.to_string(),
+                    e.action.overlaps_next,
                 )
             })
             .collect(),
@@ -255,12 +257,13 @@ where
         let events = r
             .events
             .into_iter()
-            .map(|(step, start, end, action)| {
-                let action: Action = action.parse().map_err(|e| {
+            .map(|(step, start, end, action, opens_pair)| {
+                let mut action: Action = action.parse().map_err(|e| {
                     EngineError::RankFailure(format!(
                         "rank 0: action `{action}` of rank {peer} does not parse: {e}"
                     ))
                 })?;
+                action.overlaps_next = opens_pair;
                 Ok(TimedEvent {
                     step,
                     action,
