@@ -90,6 +90,14 @@ pub(super) fn check_costs(costs: &CostTable, stages: usize, n: usize) -> Result<
             )));
         }
     }
+    if let Some(s) = (0..stages).find(|&s| costs.weight_grad_bytes[s] > costs.activation_bytes[s]) {
+        return Err(SimError::Config(format!(
+            "cost table field `weight_grad_bytes` of stage {s} is {} bytes, more than the {} \
+             `activation_bytes` it is part of; what a split backward keeps for its W is a part \
+             of the stage's activations",
+            costs.weight_grad_bytes[s], costs.activation_bytes[s]
+        )));
+    }
     if let Some(r) = costs.start.iter().position(|t| !t.is_finite() || *t < 0.0) {
         return Err(SimError::Config(format!(
             "cost table field `start` of rank {r} is {}; start times are finite and not \

@@ -220,13 +220,13 @@ impl Engine<'_> {
                 st.activations.free(end, 1);
             }
             // A split backward frees all but what its W needs, and W the rest.
+            // (`check_costs` holds `weight_grad_bytes` to at most `activation_bytes`.)
             ActionKind::BackwardInput => {
-                let kept = c.weight_grad_bytes[s].min(c.activation_bytes[s]);
-                st.memory.free(end, c.activation_bytes[s] - kept);
+                st.memory
+                    .free(end, c.activation_bytes[s] - c.weight_grad_bytes[s]);
             }
             ActionKind::BackwardWeight => {
-                st.memory
-                    .free(end, c.weight_grad_bytes[s].min(c.activation_bytes[s]));
+                st.memory.free(end, c.weight_grad_bytes[s]);
                 st.activations.free(end, 1);
             }
             _ => {}

@@ -511,3 +511,17 @@ fn ranks_start_when_the_cost_table_says() {
     let err = simulate_costed(&sched, &cfg, &costs, None).unwrap_err();
     assert!(err.to_string().contains("`start` of rank 1"), "{err}");
 }
+
+#[test]
+fn a_split_backward_cannot_keep_more_than_the_stage_activations() {
+    let sched = lowered(ScheduleKind::ZeroBubbleH1, 2, 1, 2, ZeroLevel::Zero0);
+    let cfg = unit(2.0, ZeroLevel::Zero0);
+    let mut costs = CostTable::new(&cfg, &sched.stage_ranks, 2, 2).unwrap();
+    simulate_costed(&sched, &cfg, &costs, None).unwrap();
+    costs.weight_grad_bytes[1] = costs.activation_bytes[1] + 1;
+    let err = simulate_costed(&sched, &cfg, &costs, None).unwrap_err();
+    assert!(
+        err.to_string().contains("`weight_grad_bytes` of stage 1"),
+        "{err}"
+    );
+}
