@@ -105,6 +105,7 @@ fn a_layer_stack_of_split_linears_trains_like_plain_burn_under_zero_bubble_sched
         (ScheduleKind::BreadthFirstZeroBubble, 2, 2),
         (ScheduleKind::BreadthFirstZeroBubble, 3, 2),
         (ScheduleKind::ZeroBubbleV, 2, 2),
+        (ScheduleKind::DualPipeV, 2, 2),
     ] {
         for zero in [ZeroLevel::Zero0, ZeroLevel::Zero3] {
             let outcome = Trainer::new(stack_config(kind, pp, loops, zero))

@@ -207,17 +207,34 @@ mod tests {
                     "rank {r}: {f} and {b} receive from one rank"
                 );
                 assert_eq!(to[0], to[1], "rank {r}: {f} and {b} send to one rank");
-                // Both inputs arrive before the pair, both outputs leave after it.
-                for (a, before) in [
-                    (Action::new(f.stage, ActionKind::RecvForward, f.mb()), true),
-                    (Action::new(b.stage, ActionKind::RecvBackward, b.mb()), true),
-                    (Action::new(f.stage, ActionKind::SendForward, f.mb()), false),
+                // Both inputs arrive before the pair and both outputs leave after it; where
+                // the peer is this rank (the V's turn) there is no transfer at all.
+                for (a, peer, before) in [
+                    (
+                        Action::new(f.stage, ActionKind::RecvForward, f.mb()),
+                        from[0],
+                        true,
+                    ),
+                    (
+                        Action::new(b.stage, ActionKind::RecvBackward, b.mb()),
+                        from[1],
+                        true,
+                    ),
+                    (
+                        Action::new(f.stage, ActionKind::SendForward, f.mb()),
+                        to[0],
+                        false,
+                    ),
                     (
                         Action::new(b.stage, ActionKind::SendBackward, b.mb()),
+                        to[1],
                         false,
                     ),
                 ] {
-                    if let Some(at) = list.iter().position(|x| *x == a) {
+                    let at = list.iter().position(|x| *x == a);
+                    let crosses = peer.is_some_and(|peer| peer != r);
+                    assert_eq!(at.is_some(), crosses, "rank {r}: {a} for the pair at {i}");
+                    if let Some(at) = at {
                         assert_eq!(at < i, before, "rank {r}: {a} around the pair at {i}");
                     }
                 }
