@@ -257,10 +257,15 @@ impl Mailbox {
     }
 
     fn take_stashed(&self, key: (usize, Stream)) -> Option<Envelope> {
-        self.stash
-            .borrow_mut()
-            .get_mut(&key)
-            .and_then(VecDeque::pop_front)
+        let mut stash = self.stash.borrow_mut();
+        let queue = stash.get_mut(&key)?;
+        let env = queue.pop_front();
+        // Every collective has a stream of its own: an emptied queue left in the map would
+        // grow it by one entry per collective for the whole run.
+        if queue.is_empty() {
+            stash.remove(&key);
+        }
+        env
     }
 
     fn park(&self, env: Envelope) {

@@ -334,12 +334,21 @@ impl<B: Backend, T: Transport> ProcessComm<B, T> {
         let max_nap = self.config.poll_interval.min(MAX_NAP);
         loop {
             self.check(action, shape)?;
-            let found = self
-                .state
-                .borrow_mut()
-                .inbox
-                .get_mut(&(peer, stream))
-                .and_then(VecDeque::pop_front);
+            let found = {
+                let mut state = self.state.borrow_mut();
+                let queue = state.inbox.get_mut(&(peer, stream));
+                let found = queue.and_then(VecDeque::pop_front);
+                // Every collective has a stream of its own: an emptied queue left in the map
+                // would grow it by one entry per collective for the whole run.
+                if state
+                    .inbox
+                    .get(&(peer, stream))
+                    .is_some_and(VecDeque::is_empty)
+                {
+                    state.inbox.remove(&(peer, stream));
+                }
+                found
+            };
             if let Some((op, payload)) = found {
                 if let (Stream::Collective(_, seq, _), false) = (stream, op == action) {
                     return Err(self.fail(CommError::CollectiveMismatch {
