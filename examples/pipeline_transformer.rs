@@ -1,37 +1,53 @@
 //! Pipeline a Burn language model built from burn-nn's `TransformerEncoderLayer`s: 2 pipeline
 //! ranks × 2 loops (4 stages) × 2 data-parallel replicas, breadth-first, ZeRO-3, ranks as
-//! threads on the CPU. The same model is trained by a plain Burn loop with burn-optim's AdamW,
+//! threads on the CPU, each rank building only its own stages from the model's description.
+//! The same model is trained by a plain Burn loop with burn-optim's AdamW,
 //! and one JSON line compares the two: `max_rel_diff` over the losses and the final parameter
 //! norm (≤ 1e-5). Run: `cargo run --release --example pipeline_transformer`
 use burn::backend::{Autodiff, Flex};
 use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_bfpp::engine::{infallible, LrConfig, TrainConfig, Trainer};
-use burn_bfpp::model::{flatten_params, Inputs, LayerStack, MicroBatch, PipelineModel, Targets};
+use burn_bfpp::model::{
+    flatten_params, FusedOps, Inputs, LayerStack, MicroBatch, PipelineModel, StackParts, Targets,
+};
 
 type B = Autodiff<Flex>;
-type Lm = LayerStack<B, Embedding<B>, TransformerEncoderLayer<B>, Linear<B>>;
 const WIDTH: usize = 32; // vocabulary and hidden size
 const SHAPE: [usize; 2] = [2, 16]; // samples × tokens of a micro-batch
 
-/// Embedding → 6 causal transformer layers (dropout 0) → linear head with cross-entropy.
-fn model() -> Lm {
-    let device = Default::default();
-    B::seed(&device, 7);
-    let layers = TransformerEncoderConfig::new(WIDTH, 4 * WIDTH, 4, 6)
-        .with_dropout(0.0)
-        .with_norm_first(true)
-        .init::<B>(&device)
-        .layers;
-    let (embedding, head) = (
-        EmbeddingConfig::new(WIDTH, WIDTH),
-        LinearConfig::new(WIDTH, WIDTH),
-    );
-    LayerStack::new(embedding.init(&device), layers, head.init(&device)).expect("alike blocks")
+/// The model, described: embedding → 6 causal transformer layers (dropout 0) → linear head
+/// with cross-entropy. Each rank builds only its own stages from these constructors.
+struct Lm;
+
+impl StackParts for Lm {
+    type Input<D: FusedOps> = Embedding<D>;
+    type Block<D: FusedOps> = TransformerEncoderLayer<D>;
+    type Head<D: FusedOps> = Linear<D>;
+
+    fn num_blocks(&self) -> usize {
+        6
+    }
+
+    fn input<D: FusedOps>(&self, device: &D::Device) -> Embedding<D> {
+        EmbeddingConfig::new(WIDTH, WIDTH).init(device)
+    }
+
+    fn block<D: FusedOps>(&self, _index: usize, device: &D::Device) -> TransformerEncoderLayer<D> {
+        let config = TransformerEncoderConfig::new(WIDTH, 4 * WIDTH, 4, 1)
+            .with_dropout(0.0)
+            .with_norm_first(true);
+        config.init::<D>(device).layers.remove(0)
+    }
+
+    fn head<D: FusedOps>(&self, device: &D::Device) -> Linear<D> {
+        LinearConfig::new(WIDTH, WIDTH).init(device)
+    }
 }
+
+type Whole = LayerStack<B, Embedding<B>, TransformerEncoderLayer<B>, Linear<B>>;
 
 /// Micro-batch `mb` of replica `dp` at `step`: next-token prediction on a patterned sequence.
 fn batch(step: usize, dp: usize, mb: usize) -> MicroBatch<B> {
@@ -50,7 +66,7 @@ fn batch(step: usize, dp: usize, mb: usize) -> MicroBatch<B> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (dp, microbatches, steps, lr) = (2, 4, 4, 1e-3);
-    let initial = model();
+    let model = Lm.described(7);
 
     // The pipeline: breadth-first and ZeRO-3 are the defaults.
     let config = TrainConfig::new(steps)
@@ -59,11 +75,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_dp(dp)
         .with_microbatches(microbatches)
         .with_lr(LrConfig::Constant(lr));
-    let piped = Trainer::new(config).fit(initial.clone(), infallible(batch))?;
+    let piped = Trainer::new(config).fit_described(&model, infallible(batch))?;
 
-    // Plain Burn: the whole model on one device, the mean loss over the same global batch.
-    let (mut plain, mut losses) = (initial, Vec::new());
-    let mut optim = AdamWConfig::new().init::<B, Lm>();
+    // Plain Burn: the same model built whole on one device (the initial values every stage
+    // of the pipeline started from), the mean loss over the same global batch.
+    let (mut plain, mut losses): (Whole, _) = (model.build(&Default::default())?, Vec::new());
+    let mut optim = AdamWConfig::new().init::<B, Whole>();
     for step in 1..=steps {
         let mut total = Tensor::<B, 1>::zeros([1], &Default::default());
         for (d, m) in (0..dp).flat_map(|d| (0..microbatches).map(move |m| (d, m))) {
@@ -76,8 +93,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let rel = |a: f64, b: f64| ((a - b) / b).abs();
-    let norm = |m: &Lm| flatten_params(m).powi_scalar(2).sum().sqrt().into_scalar() as f64;
-    let norms = (norm(&piped.model), norm(&plain));
+    let plain_norm = flatten_params(&plain)
+        .powi_scalar(2)
+        .sum()
+        .sqrt()
+        .into_scalar() as f64;
+    let norms = (piped.param_norm, plain_norm);
     let loss_diffs = piped.losses.iter().zip(&losses).map(|(a, b)| rel(*a, *b));
     let max_rel_diff = loss_diffs.fold(rel(norms.0, norms.1), f64::max);
     println!(

@@ -13,13 +13,14 @@ use burn_bfpp::model::GptConfig;
 type B = Autodiff<Flex>;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Any model implementing `PipelineModel` works; the reference GPT is one.
+    // The model is described, not built: each rank builds only its own stages. Any
+    // `ModelDescription` works; the reference GPT's configuration gives one.
     let gpt = GptConfig {
         seq_len: 32,
         layers: 4,
         ..GptConfig::default()
     };
-    let model = gpt.init_seeded::<B>(0, &Default::default())?;
+    let model = gpt.described(0);
 
     // 2 pipeline ranks × 2 loops = 4 stages, 2 data-parallel replicas, 4 micro-batches of 4;
     // breadth-first and ZeRO-3 are the defaults.
@@ -58,11 +59,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let outcome = Trainer::new(config)
         .on_step(|r| println!("step {:>3}  loss {:.4}  lr {:.2e}", r.step, r.loss, r.lr))
-        .fit(model, data)?;
+        .fit_described::<B, _, _>(&model, data)?;
     println!(
-        "trained in {:.1} s; peak parameter bytes per rank: {:?}",
+        "trained in {:.1} s; peak parameter bytes per rank: {:?}; peak resident memory: {:?}",
         outcome.elapsed.as_secs_f64(),
-        outcome.peak_param_bytes
+        outcome.peak_param_bytes,
+        outcome.peak_rss_bytes
     );
     Ok(())
 }

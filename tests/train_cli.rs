@@ -104,6 +104,7 @@ fn json_report_has_exactly_the_documented_keys() {
             "losses",
             "param_l2_norm",
             "peak_param_bytes",
+            "peak_rss_bytes",
             "skipped_steps",
             "steady_tokens_per_s",
             "step_times_s",
@@ -121,6 +122,15 @@ fn json_report_has_exactly_the_documented_keys() {
     assert_eq!(doc["skipped_steps"], serde_json::json!([]));
     assert!(doc["param_l2_norm"].as_f64().expect("a number") > 0.0);
     assert!(doc["tokens_per_s"].as_f64().expect("a number") > 0.0);
+    // The operating system's peak resident memory, one figure per rank (threads of one
+    // process share it): more than the parameters, far less than this machine's memory.
+    let rss = doc["peak_rss_bytes"].as_array().expect("an array");
+    assert_eq!(rss.len(), 4, "{doc}");
+    for r in rss {
+        let bytes = r.as_u64().expect("Linux reports VmHWM");
+        assert!((1 << 20..1 << 34).contains(&bytes), "{doc}");
+        assert_eq!(r, &rss[0], "threads share one process: {doc}");
+    }
     // The default layout has pp 2 × dp 2 = 4 ranks.
     let peaks = doc["peak_param_bytes"].as_array().expect("an array");
     assert_eq!(peaks.len(), 4);

@@ -11,8 +11,10 @@
 
 use burn::tensor::backend::AutodiffBackend;
 use burn_bfpp::comm::{RankGrid, RendezvousEnv};
-use burn_bfpp::engine::{DataSource, EngineError, TrainConfig, TrainOutcome, Trainer};
-use burn_bfpp::model::Gpt;
+use burn_bfpp::engine::{
+    DataSource, EngineError, TrainConfig, TrainOutcome, TrainedStages, Trainer,
+};
+use burn_bfpp::model::{GptStage, ModelDescription};
 use clap::ValueEnum;
 use cubecl_kernels::FusedOps;
 
@@ -104,14 +106,16 @@ pub trait RankWorld<B: AutodiffBackend> {
     fn home_device(&self) -> B::Device;
     /// Devices the ranks compute on (the denominator of per-device throughput).
     fn devices_used(&self) -> usize;
-    /// Runs `trainer` on this world; world rank 0 (every thread world) gets the outcome.
-    fn fit<D: DataSource<B>>(
-        self,
-        trainer: Trainer<'_>,
-        model: Gpt<B>,
-        data: D,
-    ) -> Result<Option<TrainOutcome<Gpt<B>>>, EngineError>;
+    /// Runs `trainer` on this world, each rank building its own stages of `model`; world
+    /// rank 0 (every thread world) gets the outcome.
+    fn fit<M, D>(self, trainer: Trainer<'_>, model: &M, data: D) -> Fitted<B>
+    where
+        M: ModelDescription<B, Stage = GptStage<B>>,
+        D: DataSource<B>;
 }
+
+/// What a world's run gives this process: world rank 0 (every thread world) the outcome.
+pub type Fitted<B> = Result<Option<TrainOutcome<TrainedStages<GptStage<B>>>>, EngineError>;
 
 /// Ranks as threads of this process, world rank `r` on `devices[r]`, collectives through
 /// host memory.
@@ -158,13 +162,15 @@ where
         distinct.len()
     }
 
-    fn fit<D: DataSource<B>>(
-        self,
-        trainer: Trainer<'_>,
-        model: Gpt<B>,
-        data: D,
-    ) -> Result<Option<TrainOutcome<Gpt<B>>>, EngineError> {
-        trainer.on_devices(self.devices).fit(model, data).map(Some)
+    fn fit<M, D>(self, trainer: Trainer<'_>, model: &M, data: D) -> Fitted<B>
+    where
+        M: ModelDescription<B, Stage = GptStage<B>>,
+        D: DataSource<B>,
+    {
+        trainer
+            .on_devices(self.devices)
+            .fit_described(model, data)
+            .map(Some)
     }
 }
 
@@ -262,16 +268,17 @@ mod flex {
             1
         }
 
-        fn fit<D: DataSource<Autodiff<Flex>>>(
-            self,
-            trainer: Trainer<'_>,
-            model: Gpt<Autodiff<Flex>>,
-            data: D,
-        ) -> Result<Option<TrainOutcome<Gpt<Autodiff<Flex>>>>, EngineError> {
+        fn fit<M, D>(self, trainer: Trainer<'_>, model: &M, data: D) -> Fitted<Autodiff<Flex>>
+        where
+            M: ModelDescription<Autodiff<Flex>, Stage = GptStage<Autodiff<Flex>>>,
+            D: DataSource<Autodiff<Flex>>,
+        {
             match self {
                 FlexWorld::Threads(t) => t.fit(trainer, model, data),
                 #[cfg(feature = "mpi")]
-                FlexWorld::Mpi(comm) => trainer.in_process(comm.as_ref()).fit(model, data),
+                FlexWorld::Mpi(comm) => {
+                    trainer.in_process(comm.as_ref()).fit_described(model, data)
+                }
             }
         }
     }
@@ -449,20 +456,24 @@ mod cuda {
             }
         }
 
-        fn fit<D: DataSource<Autodiff<Cuda>>>(
-            self,
-            trainer: Trainer<'_>,
-            model: Gpt<Autodiff<Cuda>>,
-            data: D,
-        ) -> Result<Option<TrainOutcome<Gpt<Autodiff<Cuda>>>>, EngineError> {
+        fn fit<M, D>(self, trainer: Trainer<'_>, model: &M, data: D) -> Fitted<Autodiff<Cuda>>
+        where
+            M: ModelDescription<Autodiff<Cuda>, Stage = GptStage<Autodiff<Cuda>>>,
+            D: DataSource<Autodiff<Cuda>>,
+        {
             match self {
                 CudaWorld::Threads(t) => t.fit(trainer, model, data),
                 CudaWorld::NcclThreads(devices, config) => {
                     let grid = RankGrid::new(trainer.config().pp, trainer.config().dp)?;
                     let comms = NcclComm::create(grid, devices, config)?;
-                    trainer.with_comms(comms).fit(model, data).map(Some)
+                    trainer
+                        .with_comms(comms)
+                        .fit_described(model, data)
+                        .map(Some)
                 }
-                CudaWorld::Process(comm, ..) => trainer.in_process(comm.as_ref()).fit(model, data),
+                CudaWorld::Process(comm, ..) => {
+                    trainer.in_process(comm.as_ref()).fit_described(model, data)
+                }
             }
         }
     }

@@ -12,7 +12,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{DType, ElementConversion, Tensor};
 use burn_bfpp::data::{BatchLayout, Batcher};
-use burn_bfpp::engine::TrainConfig;
+use burn_bfpp::engine::{peak_rss_bytes, TrainConfig};
 use burn_bfpp::model::{Gpt, PipelineModel};
 use serde_json::json;
 
@@ -20,7 +20,7 @@ use super::args::TrainArgs;
 use super::backend::CliBackend;
 use super::config::BfppConfig;
 use super::predict::{MeasuredStep, Prediction};
-use super::report::steady_step;
+use super::report::{rss_text, steady_step};
 use super::train::TrainError;
 
 /// The model's float parameters in `dtype`, still requiring gradients.
@@ -112,6 +112,7 @@ pub fn run<B: CliBackend>(
             "losses": losses,
             "step_times_s": step_times,
             "steady_tokens_per_s": steady_tokens_per_s,
+            "peak_rss_bytes": [peak_rss_bytes()],
         });
         if let (Some(p), Some(fields)) = (&prediction, doc.as_object_mut()) {
             fields.insert("hardware".into(), p.json(measured));
@@ -123,9 +124,10 @@ pub fn run<B: CliBackend>(
     }
     let mut out = format!(
         "final loss   {:.4} (plain Burn)\nthroughput   steady {steady_tokens_per_s:.0} \
-         tokens/s ({:.3} s, the median step after the first)\n",
+         tokens/s ({:.3} s, the median step after the first)\npeak memory  {}\n",
         losses.last().copied().unwrap_or(f64::NAN),
-        measured.step_s
+        measured.step_s,
+        rss_text(&[peak_rss_bytes()])
     );
     if let Some(p) = &prediction {
         out += &p.text(measured, tokens_per_step);

@@ -5,6 +5,7 @@
 //! [`DirSink`], resharded resume states, or a weight file of the plain model: a Burn record
 //! (`.mpk`) or safetensors (`.safetensors`, through `burn-store`, keyed by module path).
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
@@ -12,13 +13,16 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::{Tensor, TensorData};
 use burn_bfpp::checkpoint::{
     self, load, manifest_template, param_entries, resume_states, stage_numels, CheckpointError,
-    DirSink,
+    DirSink, SafetensorsInit,
 };
 use burn_bfpp::data::{Batcher, DataError};
 use burn_bfpp::engine::{RankState, TrainConfig};
-use burn_bfpp::model::{load_flat, Gpt, GptConfig};
+use burn_bfpp::model::{
+    load_flat, named_param_shapes, Gpt, GptConfig, GptDescription, GptStage, ModelDescription,
+    ModelError, Whole,
+};
 use burn_bfpp::schedule::PipelineSchedule;
-use burn_store::{ApplyError, ModuleSnapshot, SafetensorsStore};
+use burn_store::{ModuleSnapshot, SafetensorsStore};
 use clap::Args;
 
 use super::backend::CliBackend;
@@ -68,12 +72,56 @@ pub struct CheckpointArgs {
 
 /// What the checkpoint flags add to a run.
 pub struct Prepared<'a, B: CliBackend> {
-    /// The model to train (with resumed or initial weights).
-    pub model: Gpt<B>,
+    /// The model to train, described: every rank builds its own stages from it.
+    pub model: CliModel<B>,
     /// Every rank's state to start from (empty: fresh optimizer state).
     pub resume: Vec<RankState>,
     /// Where to save, if anywhere.
     pub sink: Option<DirSink<'a>>,
+}
+
+/// Where the model `bfpp train` trains starts from, as a description each rank builds its
+/// own stages from.
+pub enum CliModel<B: CliBackend> {
+    /// The seeded initial values (`--seed`), drawn layer by layer.
+    Seeded(GptDescription),
+    /// `--init FILE.safetensors` (or a sharded set's index): each rank reads its own tensors.
+    Safetensors(SafetensorsInit<GptDescription>),
+    /// `--init FILE.mpk`: a Burn record is read whole, so every process holds the whole model
+    /// while its stages are cut (use safetensors for models larger than one process).
+    Record(Box<Whole<Gpt<B>>>),
+}
+
+impl<B: CliBackend> ModelDescription<B> for CliModel<B> {
+    type Stage = GptStage<B>;
+
+    fn num_layers(&self) -> usize {
+        match self {
+            CliModel::Seeded(m) => ModelDescription::<B>::num_layers(m),
+            CliModel::Safetensors(m) => ModelDescription::<B>::num_layers(m),
+            CliModel::Record(m) => m.num_layers(),
+        }
+    }
+
+    fn layer_costs(&self) -> Vec<f64> {
+        match self {
+            CliModel::Seeded(m) => ModelDescription::<B>::layer_costs(m),
+            CliModel::Safetensors(m) => ModelDescription::<B>::layer_costs(m),
+            CliModel::Record(m) => m.layer_costs(),
+        }
+    }
+
+    fn build_stage(
+        &self,
+        layers: Range<usize>,
+        device: &B::Device,
+    ) -> Result<GptStage<B>, ModelError> {
+        match self {
+            CliModel::Seeded(m) => m.build_stage(layers, device),
+            CliModel::Safetensors(m) => m.build_stage(layers, device),
+            CliModel::Record(m) => m.build_stage(layers, device),
+        }
+    }
 }
 
 /// The model configuration as the manifest records it: the model's shape. `fused` is how
@@ -86,35 +134,50 @@ fn model_json(model: &GptConfig) -> Result<serde_json::Value, TrainError> {
     Ok(json)
 }
 
-/// Apply `--init`, `--resume` and `--save` to a run about to start; `model` is on the device
-/// the run builds it on, and stays there.
+/// Apply `--init`, `--resume` and `--save` to a run about to start on `device`. Nothing here
+/// builds the model: names, shapes and counts come from a model whose parameters are never
+/// initialised ([`GptConfig::skeleton`]).
 pub fn prepare<'a, B: CliBackend>(
     args: &CheckpointArgs,
     model_cfg: &GptConfig,
     seed: u64,
     train: &TrainConfig,
-    model: Gpt<B>,
+    device: &B::Device,
     batcher: &'a Batcher,
 ) -> Result<Prepared<'a, B>, TrainError> {
     let steps = train.steps;
-    let device = model.devices().into_iter().next().unwrap_or_default();
     let program: PipelineSchedule = train.program()?;
     let json = model_json(model_cfg)?;
-    let mut model = model;
+    let skeleton = model_cfg.skeleton::<B>(device)?;
+    let mut model = CliModel::Seeded(model_cfg.described(seed));
     if let Some(file) = &args.init {
         model = match WeightFormat::of_path(file) {
             WeightFormat::Mpk => {
+                if let Err(source) = std::fs::metadata(file) {
+                    return Err(TrainError::Read {
+                        path: file.clone(),
+                        source,
+                    });
+                }
                 let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
-                model
-                    .load_file(file.clone(), &recorder, &device)
+                let whole = model_cfg
+                    .skeleton::<B>(device)?
+                    .load_file(file.clone(), &recorder, device)
                     .map_err(|e| {
                         TrainError::Checkpoint(CheckpointError::Corrupt {
                             path: file.clone(),
                             problem: format!("not a Burn record of this model: {e}"),
                         })
-                    })?
+                    })?;
+                CliModel::Record(Box::new(Whole(whole)))
             }
-            WeightFormat::Safetensors => load_safetensors(model, file)?,
+            WeightFormat::Safetensors => CliModel::Safetensors(SafetensorsInit::open(
+                model_cfg.described(seed),
+                file,
+                &named_param_shapes(&skeleton),
+                "export the weights of a model with the same --layers, --hidden, --heads, \
+                 --mlp-ratio, --seq-len and vocabulary, or set those flags to the file's model",
+            )?),
         };
     }
     let mut resume = Vec::new();
@@ -140,18 +203,13 @@ pub fn prepare<'a, B: CliBackend>(
                 loaded.dir.display()
             )));
         }
-        let (states, global) = resume_states(&loaded, &model, &json, train, &program)?;
-        let flat = Tensor::<B, 1>::from_data(
-            TensorData::new(global.params.clone(), [global.params.len()]),
-            &device,
-        );
-        model = load_flat(model, &flat)?;
+        let (states, _global) = resume_states(&loaded, &skeleton, &json, train, &program)?;
         resume = states;
     }
     let sink = match &args.save {
         None => None,
         Some(dir) => {
-            let numels = stage_numels(&model, train, &program)?;
+            let numels = stage_numels(&skeleton, train, &program)?;
             let lr =
                 serde_json::to_value(&train.lr).map_err(|e| TrainError::Config(e.to_string()))?;
             let template = manifest_template(
@@ -159,7 +217,7 @@ pub fn prepare<'a, B: CliBackend>(
                 &program,
                 &numels,
                 json,
-                param_entries(&model),
+                param_entries(&skeleton),
                 lr,
                 seed,
             );
@@ -214,53 +272,6 @@ impl WeightFormat {
             _ => Self::Mpk,
         }
     }
-}
-
-/// Load safetensors weights into `model`, refusing (before training) a file whose tensors
-/// do not match it one to one: a missing, extra or differently shaped tensor is named.
-fn load_safetensors<B: CliBackend>(model: Gpt<B>, file: &Path) -> Result<Gpt<B>, TrainError> {
-    // Check everything ourselves (rather than the store's multi-line summary) so that the
-    // error names the first offending tensor and the fix.
-    let mut store = SafetensorsStore::from_file(file)
-        .validate(false)
-        .allow_partial(true);
-    let mut model = model;
-    let result = { model.load_from(&mut store) }.map_err(|e| {
-        TrainError::Checkpoint(CheckpointError::Corrupt {
-            path: file.to_path_buf(),
-            problem: format!("not a readable safetensors file: {e}"),
-        })
-    })?;
-    const FIX: &str = "export the weights of a model with the same --layers, --hidden, \
-                       --heads, --mlp-ratio, --seq-len and vocabulary, or set those flags to \
-                       the file's model";
-    let problem = if let Some(error) = result.errors.first() {
-        match error {
-            ApplyError::ShapeMismatch {
-                path,
-                expected,
-                found,
-            } => format!("tensor `{path}` has shape {found} but this model's is {expected}"),
-            other => other.to_string(),
-        }
-    } else if let Some((path, _)) = result.missing.first() {
-        format!(
-            "tensor `{path}` of this model is missing from the file ({} of {} missing)",
-            result.missing.len(),
-            result.missing.len() + result.applied.len()
-        )
-    } else if let Some(path) = result.unused.first() {
-        format!(
-            "the file's tensor `{path}` is not in this model ({} such)",
-            result.unused.len()
-        )
-    } else {
-        return Ok(model);
-    };
-    Err(TrainError::Checkpoint(CheckpointError::OtherModel {
-        path: file.to_path_buf(),
-        problem: format!("{problem}; {FIX}"),
-    }))
 }
 
 /// Consolidate a checkpoint into the plain single-device model and write it as a Burn record.

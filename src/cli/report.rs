@@ -7,11 +7,11 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::tensor::backend::Backend as BackendTrait;
-use burn::tensor::Tensor;
 use burn_bfpp::data::BatchLayout;
-use burn_bfpp::engine::{collective_share, StepCounts, StepReport, TrainConfig, TrainOutcome};
+use burn_bfpp::engine::{StepCounts, StepReport, TrainConfig, TrainOutcome};
+use burn_bfpp::model::param_shapes;
 use burn_bfpp::schedule::TimedEvent;
 use burn_bfpp::viz;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -323,36 +323,13 @@ pub fn write_timeline(
     Ok(files)
 }
 
-/// Visits every float parameter: count and sum of squares (f64).
-#[derive(Default)]
-struct ParamStats {
-    count: usize,
-    sum_sq: f64,
-}
-
-impl<B: BackendTrait> ModuleVisitor<B> for ParamStats {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let data = param.val().into_data().convert::<f32>();
-        // `convert` makes the elements f32, so this cannot fail; skip rather than panic.
-        if let Ok(values) = data.to_vec::<f32>() {
-            self.count += values.len();
-            self.sum_sq += values
-                .iter()
-                .map(|&x| f64::from(x) * f64::from(x))
-                .sum::<f64>();
-        }
-    }
-}
-
-fn param_stats<B: BackendTrait, M: Module<B>>(model: &M) -> ParamStats {
-    let mut stats = ParamStats::default();
-    model.visit(&mut stats);
-    stats
-}
-
-/// Number of parameters of `model`.
+/// Number of float parameter values of `model`, read from the parameters' shapes: a model
+/// whose parameters are not initialised yet stays so.
 pub fn param_count<B: BackendTrait, M: Module<B>>(model: &M) -> usize {
-    param_stats(model).count
+    param_shapes(model)
+        .iter()
+        .map(|s| s.iter().product::<usize>())
+        .sum()
 }
 
 /// The final report of a run.
@@ -364,6 +341,8 @@ pub struct Summary {
     step_time_s: f64,
     elapsed_s: f64,
     peak_param_bytes: Vec<usize>,
+    /// Each rank's process's peak resident memory, from the operating system.
+    peak_rss_bytes: Vec<Option<u64>>,
     /// Each rank's share of its list time in data-parallel collectives.
     collective_share: Vec<f64>,
     entropy_rate: Option<f64>,
@@ -376,26 +355,6 @@ pub struct Summary {
     step_times_s: Vec<f64>,
     /// Tokens one step trains.
     tokens_per_step: usize,
-}
-
-/// Seconds of every step of `timelines`: from the last action of the step before on any rank
-/// (the run's start for the first) to its own last action on any rank, on the timelines'
-/// common clock. A step's optimizer update falls into the next step's time.
-pub fn step_times(timelines: &[Vec<TimedEvent>], steps: usize) -> Vec<f64> {
-    let mut ends = vec![0f64; steps];
-    for event in timelines.iter().flatten() {
-        if let Some(end) = event.step.checked_sub(1).and_then(|i| ends.get_mut(i)) {
-            *end = end.max(event.end);
-        }
-    }
-    let mut previous = 0.0;
-    ends.into_iter()
-        .map(|end| {
-            let took = end - previous;
-            previous = end;
-            took
-        })
-        .collect()
 }
 
 /// The median of the steps after the first (kernel compilation, autotuning and allocator
@@ -411,7 +370,7 @@ pub fn steady_step(step_times: &[f64]) -> f64 {
 
 impl Summary {
     /// Gathers the figures of `outcome`.
-    pub fn new<B: BackendTrait, M: Module<B>>(
+    pub fn new<M>(
         outcome: &TrainOutcome<M>,
         tokens_per_step: usize,
         entropy_rate: Option<f64>,
@@ -422,18 +381,19 @@ impl Summary {
         let elapsed_s = outcome.elapsed.as_secs_f64();
         Self {
             losses: outcome.losses.clone(),
-            param_l2_norm: param_stats(&outcome.model).sum_sq.sqrt(),
+            param_l2_norm: outcome.param_norm,
             tokens_per_s: (steps * tokens_per_step) as f64 / elapsed_s.max(f64::MIN_POSITIVE),
             step_time_s: elapsed_s / steps.max(1) as f64,
             elapsed_s,
             peak_param_bytes: outcome.peak_param_bytes.clone(),
-            collective_share: collective_share(&outcome.timelines),
+            peak_rss_bytes: outcome.peak_rss_bytes.clone(),
+            collective_share: outcome.collective_share.clone(),
             entropy_rate,
             files,
             metrics: metrics.to_path_buf(),
             skipped_steps: outcome.skipped_steps.clone(),
             last_step: outcome.last_step.clone(),
-            step_times_s: step_times(&outcome.timelines, steps),
+            step_times_s: outcome.step_times.clone(),
             tokens_per_step,
         }
     }
@@ -444,7 +404,9 @@ impl Summary {
     }
 
     /// The `--json` object: exactly `losses` (`null` for a step whose loss was not
-    /// finite), `param_l2_norm`, `tokens_per_s`, `peak_param_bytes`, `collective_share`
+    /// finite), `param_l2_norm`, `tokens_per_s`, `peak_param_bytes`, `peak_rss_bytes` (each
+    /// rank's process's peak resident memory from the operating system, `null` where it
+    /// does not say; threads of one process share one figure), `collective_share`
     /// (each rank's share of its list time in data-parallel collectives), `timeline_svg`,
     /// `trace_json`, `skipped_steps` (steps whose update was skipped, see `--on-nonfinite`),
     /// and for the last step, by world rank: `host_reads_per_step` (synchronising
@@ -467,6 +429,7 @@ impl Summary {
             "param_l2_norm": self.param_l2_norm,
             "tokens_per_s": self.tokens_per_s,
             "peak_param_bytes": self.peak_param_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
             "collective_share": self.collective_share,
             "timeline_svg": self.files.svg.display().to_string(),
             "trace_json": self.files.trace.display().to_string(),
@@ -521,6 +484,7 @@ impl Summary {
             .map(|(rank, &b)| format!("rank {rank} {:.1} KiB", b as f64 / 1024.0))
             .collect();
         out += &format!("peak params  {}\n", peaks.join(", "));
+        out += &format!("peak memory  {}\n", rss_text(&self.peak_rss_bytes));
         let shares: Vec<String> = self
             .collective_share
             .iter()
@@ -542,6 +506,27 @@ impl Summary {
             self.files.trace.display()
         );
         out
+    }
+}
+
+/// Each rank's peak resident memory in MiB, folded into one figure where every rank shares a
+/// process (threads), or "not reported" where the system does not say.
+pub fn rss_text(peaks: &[Option<u64>]) -> String {
+    let mib = |b: u64| format!("{:.0} MiB", b as f64 / (1024.0 * 1024.0));
+    match peaks.first() {
+        None | Some(None) => "not reported by this system".into(),
+        Some(Some(first)) if peaks.iter().all(|p| *p == Some(*first)) => {
+            format!("{} resident at peak (every rank)", mib(*first))
+        }
+        _ => peaks
+            .iter()
+            .enumerate()
+            .map(|(rank, p)| match p {
+                Some(b) => format!("rank {rank} {}", mib(*b)),
+                None => format!("rank {rank} ?"),
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
     }
 }
 

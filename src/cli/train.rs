@@ -206,18 +206,18 @@ fn train_on<B: CliBackend>(
     }
     let world = B::join(request, &train)?;
     let device = world.home_device();
-    let model = cfg.model.init_seeded::<B>(cfg.run.seed, &device)?;
     let steps = train.steps;
+    // The model is described, not built: each rank builds its own stages.
     let Prepared {
         model,
         resume,
         sink,
-    } = prepare(
+    } = prepare::<B>(
         &args.ckpt,
         &cfg.model,
         cfg.run.seed,
         &train,
-        model,
+        &device,
         &batcher,
     )?;
     let out_dir = &cfg.run.out_dir;
@@ -242,7 +242,7 @@ fn train_on<B: CliBackend>(
             backend: B::CHOICE,
             world: world.describe(),
             corpus: corpus.describe(),
-            params: report::param_count(&model),
+            params: report::param_count(&cfg.model.skeleton::<B>(&device)?),
         }
         .print();
     }
@@ -276,7 +276,7 @@ fn train_on<B: CliBackend>(
         trainer = trainer.inject_fault(fault);
     }
     let devices = world.devices_used();
-    let outcome = world.fit(trainer, model, data);
+    let outcome = world.fit(trainer, &model, data);
     progress.finish();
     let Some(outcome) = outcome? else {
         // Another process than world rank 0: rank 0 reports the run.

@@ -6,6 +6,7 @@
 //! and starts from resharded states ([`resume_states`]).
 
 mod format;
+mod init;
 mod reshard;
 mod store;
 #[cfg(test)]
@@ -19,6 +20,7 @@ pub use format::{
     rank_file_name, FileEntry, Manifest, ParamEntry, SavedLayout, SavedStage, FORMAT_VERSION,
     MANIFEST,
 };
+pub use init::SafetensorsInit;
 pub use reshard::{check_model, consolidate, param_entries, shard_for, stage_numels, GlobalState};
 pub use store::{
     list_checkpoints, load, resolve, step_dir_name, DataAt, DirSink, Loaded, CRASH_ENV,

@@ -10,16 +10,15 @@
 
 use std::collections::HashMap;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::Tensor;
 
 use super::format::{Manifest, ParamEntry, MANIFEST};
 use super::store::Loaded;
 use super::CheckpointError;
 use crate::comm::RankGrid;
 use crate::engine::{RankState, ScalerState, ShardLayout, StageState, TrainConfig};
-use crate::model::{param_shapes, split_model, PipelineModel};
+use crate::model::{named_param_shapes, param_shapes, split_model, PipelineModel};
 use crate::schedule::PipelineSchedule;
 
 /// The consolidated (layout-free) training state of a checkpoint.
@@ -188,31 +187,14 @@ where
 
 /// Names, shapes and dtypes of every float parameter of `module`, in flattening order.
 pub fn param_entries<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamEntry> {
-    struct Names {
-        path: Vec<String>,
-        out: Vec<ParamEntry>,
-    }
-    impl<B: Backend> ModuleVisitor<B> for Names {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.out.push(ParamEntry {
-                name: self.path.join("."),
-                shape: param.val().dims().to_vec(),
-                dtype: "f32".into(),
-            });
-        }
-    }
-    let mut names = Names {
-        path: Vec::new(),
-        out: Vec::new(),
-    };
-    module.visit(&mut names);
-    names.out
+    named_param_shapes(module)
+        .into_iter()
+        .map(|(name, shape)| ParamEntry {
+            name,
+            shape,
+            dtype: "f32".into(),
+        })
+        .collect()
 }
 
 /// Refuse a checkpoint of another model: its configuration or its parameters differ.

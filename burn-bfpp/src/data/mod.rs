@@ -17,7 +17,7 @@
 mod batch;
 mod error;
 mod markov;
-mod rng;
+pub(crate) mod rng;
 #[cfg(feature = "engine")]
 mod tensor;
 mod text;

@@ -13,6 +13,7 @@ use burn::tensor::{DType, Tensor};
 use super::nonfinite::NonFinitePolicy;
 use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
 use super::stage::{in_dtype, pad, LocalStage};
+use super::timeline::Recorder;
 use super::{EngineError, StepCounts};
 use crate::comm::{Communicator, Group};
 use crate::host_read;
@@ -41,12 +42,16 @@ type StageRun<B, S> = (S, Option<Tensor<B, 3>>, StageOutput<B>);
 
 /// What a rank hands back after its last step.
 pub(crate) struct Finished<S> {
-    /// Its stages, by global index, with their final weights.
+    /// Its stages, by global index, with their final weights (fp32); empty unless asked for.
     pub(crate) stages: Vec<(usize, S)>,
-    /// Every action it ran.
-    pub(crate) events: Vec<TimedEvent>,
+    /// What it kept of its timeline.
+    pub(crate) recorder: Recorder,
     /// Highest bytes of parameter values it held.
     pub(crate) peak_param_bytes: usize,
+    /// The sum of squares of the final parameters this rank is the keeper of: its owned
+    /// shards where stages are sharded, the whole stage on data-parallel rank 0 where not;
+    /// so the world's sum is the model's.
+    pub(crate) param_sq: f64,
 }
 
 /// What a forward keeps for its backward.
@@ -118,8 +123,8 @@ pub(crate) struct RankExecutor<'c, B: AutodiffBackend, S, C> {
     /// The step's first micro-batch with a token target outside `0..target_classes`, as
     /// `microbatches − m` (0: none), kept on the device with the losses (last-stage ranks).
     bad_targets: Option<Tensor<Inner<B>, 1>>,
-    /// Recorded actions of the run: (step, action, start, end) in seconds since `epoch`.
-    pub(crate) events: Vec<TimedEvent>,
+    /// Recorded actions of the run, in seconds since `epoch`: a window of recent steps.
+    pub(crate) recorder: Recorder,
     epoch: Instant,
     /// Highest [`LocalStage::param_bytes`] total seen.
     pub(crate) peak_param_bytes: usize,
@@ -143,6 +148,7 @@ where
         program: Vec<Action>,
         stages: Vec<LocalStage<B, S>>,
         epoch: Instant,
+        recorder: Recorder,
     ) -> Self {
         let slot = stages
             .iter()
@@ -166,7 +172,7 @@ where
             deferred: HashMap::new(),
             loss_sum: None,
             bad_targets: None,
-            events: Vec::new(),
+            recorder,
             epoch,
             peak_param_bytes: 0,
             poison: false,
@@ -559,7 +565,7 @@ where
             source: Box::new(source),
         })?;
         let end = self.epoch.elapsed().as_secs_f64();
-        self.events.push(TimedEvent {
+        self.recorder.record(TimedEvent {
             step,
             action,
             start,
@@ -568,32 +574,62 @@ where
         Ok(())
     }
 
-    /// Gather every stage's current weights into its module (after the last step, so the
-    /// trained stages can be recombined), and return the stages.
-    pub(crate) fn finish(mut self) -> Result<Finished<S>, EngineError> {
+    /// Ends the run on this rank: with `hand_back`, gathers every stage's current weights into
+    /// its module (fp32, the master weights themselves) and returns the stages, so the trained
+    /// model can be assembled; without, the stages stay as they are and nothing is gathered
+    /// (a rank of a model larger than one process keeps its own share only).
+    pub(crate) fn finish(mut self, hand_back: bool) -> Result<Finished<S>, EngineError> {
+        let param_sq = self.param_sq()?;
         let indices: Vec<usize> = self.stages.iter().map(|s| s.index).collect();
         // Gathering everything for the hand-back is not part of training's footprint.
         let peak = self.peak_param_bytes;
         let comm = self.comm;
-        for s in indices {
-            // The trained model is handed back in fp32: the master weights themselves.
-            let stage = self.stage_mut(s)?;
-            let full = if stage.layout.sharded {
-                comm.all_gather(Group::DataParallel, stage.owned.clone())?
-            } else {
-                stage.owned.clone()
-            };
-            stage.refill_as(full, DType::F32)?;
+        if hand_back {
+            for s in indices {
+                let stage = self.stage_mut(s)?;
+                let full = if stage.layout.sharded {
+                    comm.all_gather(Group::DataParallel, stage.owned.clone())?
+                } else {
+                    stage.owned.clone()
+                };
+                stage.refill_as(full, DType::F32)?;
+            }
         }
         self.peak_param_bytes = peak;
         Ok(Finished {
-            stages: self
-                .stages
-                .into_iter()
-                .map(|s| (s.index, s.module))
-                .collect(),
-            events: self.events,
+            stages: if hand_back {
+                self.stages
+                    .into_iter()
+                    .map(|s| (s.index, s.module))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            recorder: self.recorder,
             peak_param_bytes: self.peak_param_bytes,
+            param_sq,
         })
+    }
+
+    /// See [`Finished::param_sq`]: each kept shard is read to the host (one at a time) and
+    /// summed in f64, so the figure does not depend on how the model is sharded.
+    fn param_sq(&self) -> Result<f64, EngineError> {
+        let mut sum = 0.0;
+        for stage in &self.stages {
+            if !stage.layout.sharded && self.dp_index != 0 {
+                continue;
+            }
+            let failed = |e: String| EngineError::Config(format!("stage {}: {e}", stage.index));
+            let values = host_read::read(stage.owned.clone(), host_read::ReadPurpose::Sync)
+                .map_err(|e| failed(format!("{e:?}")))?
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| failed(format!("{e:?}")))?;
+            sum += values
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum::<f64>();
+        }
+        Ok(sum)
     }
 }

@@ -17,10 +17,12 @@ mod nonfinite;
 mod precision;
 mod profile;
 mod rank;
+mod shapes;
 mod shard;
 mod snapshot;
 mod stage;
 mod summary;
+mod timeline;
 mod trainer;
 
 use std::sync::Mutex;
@@ -40,13 +42,15 @@ pub use shard::ShardLayout;
 pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};
 pub use trainer::{ProcessWorld, ThreadComms, Threads, ThreadsOn, Trainer};
 
-use rank::{train_rank_with, RankPlan};
-use trainer::Shapes;
+pub use timeline::DEFAULT_TIMELINE_STEPS;
+
+use rank::{build_rank_stages, train_rank_with, RankPlan};
+use timeline::step_times;
 
 use crate::comm::{
     run_ranks, CommBytes, CommConfig, CommError, Communicator, RankError, RankGrid, ThreadRank,
 };
-use crate::model::{module_to_device, recombine, split_model, ModelSplit, PipelineModel};
+use crate::model::{ModelDescription, ModelSplit};
 use crate::optim::AdamWSettings;
 use crate::schedule::{
     from_csv, with_file_lines, PipelineSchedule, Placement, Program, ProgramSpec, ScheduleKind,
@@ -259,12 +263,28 @@ pub struct StepReport {
 pub struct TrainOutcome<M> {
     /// Mean loss of every optimizer step (over all micro-batches of all replicas).
     pub losses: Vec<f64>,
-    /// The trained model (stages of data-parallel replica 0 put back together).
+    /// The trained model: for [`Trainer::fit`], the model given, with its trained weights
+    /// (the stages of data-parallel replica 0 put back together); for
+    /// [`Trainer::fit_described`], the [`TrainedStages`].
     pub model: M,
-    /// Every rank's executed actions, by world rank.
+    /// Every rank's actions of the last steps the run kept ([`Trainer::timeline_steps`]), by
+    /// world rank, on one clock: seconds since the run started.
     pub timelines: Vec<Vec<TimedEvent>>,
+    /// Seconds of every step: from the end of the step before on any rank (the start for the
+    /// first) to the end of its own last action on any rank. A step's optimizer update falls
+    /// into the next step's time.
+    pub step_times: Vec<f64>,
+    /// Each world rank's share of its action time, over the whole run, that went to its
+    /// data-parallel collectives (see [`collective_share`]).
+    pub collective_share: Vec<f64>,
     /// Highest bytes of parameter values each world rank held.
     pub peak_param_bytes: Vec<usize>,
+    /// Each world rank's process's peak resident memory as the operating system reports it
+    /// (`VmHWM`), read after the run: ranks that are threads of one process report the same
+    /// figure. `None` where the system does not say (not Linux).
+    pub peak_rss_bytes: Vec<Option<u64>>,
+    /// The L2 norm of the trained parameters (fp32 master weights, over the whole model).
+    pub param_norm: f64,
     /// Wall-clock time of the training steps.
     pub elapsed: Duration,
     /// Steps (1-based) whose update was skipped because their loss or gradient norm was not
@@ -276,25 +296,68 @@ pub struct TrainOutcome<M> {
     pub last_step: Vec<StepCounts>,
 }
 
+impl<M> TrainOutcome<M> {
+    /// The same outcome with `f` applied to its model.
+    pub(crate) fn try_map_model<N, E>(
+        self,
+        f: impl FnOnce(M) -> Result<N, E>,
+    ) -> Result<TrainOutcome<N>, E> {
+        Ok(TrainOutcome {
+            losses: self.losses,
+            model: f(self.model)?,
+            timelines: self.timelines,
+            step_times: self.step_times,
+            collective_share: self.collective_share,
+            peak_param_bytes: self.peak_param_bytes,
+            peak_rss_bytes: self.peak_rss_bytes,
+            param_norm: self.param_norm,
+            elapsed: self.elapsed,
+            skipped_steps: self.skipped_steps,
+            loss_scale: self.loss_scale,
+            last_step: self.last_step,
+        })
+    }
+}
+
+/// The trained stages of a [`Trainer::fit_described`] run, in stage order: every stage of
+/// data-parallel replica 0 (fp32 master weights) when the ranks are threads of this process.
+/// With ranks as processes the trained weights stay on their ranks, where a checkpoint
+/// ([`Checkpointing`]) saves them, and this is empty: no process gathers a model that may be
+/// larger than it can hold.
+#[derive(Debug)]
+pub struct TrainedStages<S> {
+    /// The stages, by global stage index.
+    pub stages: Vec<S>,
+}
+
+/// This process's peak resident memory (`VmHWM` of `/proc/self/status`), where the system
+/// reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// A rank's stages, waiting for its thread to take them.
 type RankSlot<S> = Mutex<Option<Vec<(usize, S)>>>;
 
-/// Trains `model` with one thread per communicator of `comms` (the body of
-/// [`Trainer::fit`] for thread worlds).
+/// What a run of every rank as a thread of this process gives: the outcome, its model the
+/// trained stages (empty without `hand_back`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn train_world<B, M, C, D>(
     model: &M,
     cfg: &EngineConfig,
     program: PipelineSchedule,
     comms: Vec<C>,
-    shapes: Shapes,
     data: &D,
     on_step: &(dyn Fn(&StepReport) + Sync),
     checkpointing: Checkpointing<'_>,
-) -> Result<TrainOutcome<M>, EngineError>
+    timeline_steps: usize,
+) -> Result<TrainOutcome<TrainedStages<M::Stage>>, EngineError>
 where
     B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
+    M: ModelDescription<B>,
     M::Stage: Send,
     C: ThreadRank + Communicator<B::InnerBackend>,
     D: DataSource<B>,
@@ -312,29 +375,23 @@ where
             ),
         }));
     }
-    let home = model.devices().into_iter().next().unwrap_or_default();
-    // Split once; each rank takes its own stages out of this table inside its thread.
-    let ranges = split_model(model, program.num_stages(), &cfg.split)?;
-    let mut modules: Vec<Option<M::Stage>> = model.stages(&ranges)?.into_iter().map(Some).collect();
+    // Each pipeline rank's stages are built once, on the device of its first replica; the
+    // other replicas take copies (each rank moves its own to its device).
+    let mut built: Vec<Vec<(usize, M::Stage)>> = (0..cfg.pp)
+        .map(|p| {
+            let device = comms[grid.rank_of(p, 0)].device().clone();
+            build_rank_stages(model, cfg, &program, p, &device)
+        })
+        .collect::<Result<_, _>>()?;
     let per_rank: Vec<RankSlot<M::Stage>> = (0..grid.world_size())
         .map(|rank| {
             let pp_index = grid.pp_index(rank);
-            let last_replica = grid.dp_index(rank) + 1 == cfg.dp;
-            let local = program
-                .stage_ranks
-                .iter()
-                .enumerate()
-                .filter(|&(_, &r)| r == pp_index)
-                .filter_map(|(s, _)| {
-                    // The last replica takes the module itself, the others a clone.
-                    let module = if last_replica {
-                        modules[s].take()
-                    } else {
-                        modules[s].clone()
-                    };
-                    module.map(|m| (s, m))
-                })
-                .collect();
+            // The last replica takes the modules themselves, the others copies.
+            let local = if grid.dp_index(rank) + 1 == cfg.dp {
+                std::mem::take(&mut built[pp_index])
+            } else {
+                built[pp_index].clone()
+            };
             Mutex::new(Some(local))
         })
         .collect();
@@ -342,8 +399,9 @@ where
     let plan = RankPlan {
         cfg,
         program: &program,
-        shapes: &shapes,
         epoch,
+        timeline_steps,
+        hand_back: true,
     };
     let results = run_ranks(comms, |comm| {
         let stages = per_rank[comm.rank()]
@@ -367,29 +425,37 @@ where
     // Every rank took the same skip decisions; rank 0's list is everybody's.
     let skipped_steps = results[0].skipped_steps.clone();
     let loss_scale = results[0].loss_scale;
+    let rss = peak_rss_bytes();
     let mut stages: Vec<(usize, M::Stage)> = Vec::new();
     let mut timelines = Vec::new();
+    let mut step_ends = Vec::new();
+    let mut collective = Vec::new();
     let mut peak_param_bytes = Vec::new();
     let mut last_step = Vec::new();
+    let mut param_sq = 0.0;
     for (rank, r) in results.into_iter().enumerate() {
         if grid.dp_index(rank) == 0 {
             stages.extend(r.stages);
         }
         timelines.push(r.events);
+        step_ends.push(r.step_ends);
+        collective.push(r.collective_share);
         peak_param_bytes.push(r.peak_param_bytes);
         last_step.push(r.last_step);
+        param_sq += r.param_sq;
     }
     stages.sort_by_key(|(s, _)| *s);
-    let stages: Vec<M::Stage> = stages
-        .into_iter()
-        .map(|(_, s)| module_to_device(s, &home))
-        .collect();
-    let model = recombine(model.clone(), &stages)?;
     Ok(TrainOutcome {
         losses,
-        model,
+        model: TrainedStages {
+            stages: stages.into_iter().map(|(_, s)| s).collect(),
+        },
         timelines,
+        step_times: step_times(&step_ends),
+        collective_share: collective,
         peak_param_bytes,
+        peak_rss_bytes: vec![rss; grid.world_size()],
+        param_norm: param_sq.sqrt(),
         elapsed,
         skipped_steps,
         loss_scale,

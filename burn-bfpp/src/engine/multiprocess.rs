@@ -10,13 +10,15 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
+use burn::module::Module;
+
 use super::data::DataSource;
-use super::rank::{stages_for_rank, train_rank_with, RankPlan};
+use super::rank::{build_rank_stages, train_rank_with, RankPlan};
 use super::snapshot::Checkpointing;
-use super::trainer::Shapes;
-use super::{EngineConfig, EngineError, StepCounts, StepReport, TrainOutcome};
+use super::timeline::step_times;
+use super::{peak_rss_bytes, EngineConfig, EngineError, StepCounts, StepReport, TrainOutcome};
 use crate::comm::{CommError, Group, ProcessRank};
-use crate::model::{flatten_params, load_flat, recombine, PipelineModel};
+use crate::model::{flatten_params, load_flat, recombine, ModelDescription};
 use crate::schedule::TimedEvent;
 use crate::schedule::{Action, PipelineSchedule};
 
@@ -34,7 +36,15 @@ struct RankReport {
     /// `(step, start bits, end bits, action, opens an overlapped pair)`: the action's text
     /// does not carry the pair mark.
     events: Vec<(usize, u64, u64, String, bool)>,
+    /// The end of every step, as bits, on the rank's own clock.
+    step_ends: Vec<u64>,
+    /// The share of the rank's action time in data-parallel collectives.
+    collective_share: f64,
     peak_param_bytes: usize,
+    /// The process's peak resident memory after the run.
+    peak_rss_bytes: Option<u64>,
+    /// See [`super::executor::Finished::param_sq`].
+    param_sq: f64,
     /// The rank's time zero on the system clock, nanoseconds since the Unix epoch: rank 0
     /// moves every rank's events onto its own time zero with it.
     epoch_unix_ns: u64,
@@ -57,8 +67,10 @@ fn comm_err(e: CommError) -> EngineError {
 /// Trains this process's rank of a world of processes (the body of [`super::Trainer::fit`]
 /// for a process world); returns the outcome on world rank 0 and `None` on the others.
 ///
-/// Every process must call this with an identically initialised `model` and the same
-/// configuration (they cut their own stages from it, so no weights are sent at start-up).
+/// Every process must call this with the same `model` description and configuration: each
+/// builds its own stages from it, so no weights are sent at start-up. With `whole` (a model
+/// every process holds), rank 0 receives the trained stages of replica 0 and returns them
+/// put back into a copy of it; without, the trained weights stay on their ranks.
 /// Timelines are measured from an instant every rank takes right after a world barrier.
 /// If this rank fails or panics, every other rank is told and fails naming it. With
 /// checkpointing, every process passes the same `checkpointing`: `resume` holds the state of
@@ -67,19 +79,21 @@ fn comm_err(e: CommError) -> EngineError {
 /// commits (writes the manifest, prunes) only after every rank reported its files durably
 /// written.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn train_processes<B, M, C, D>(
+pub(crate) fn train_processes<B, M, W, C, D>(
     comm: &C,
     model: &M,
+    whole: Option<&W>,
     cfg: &EngineConfig,
     program: PipelineSchedule,
-    shapes: Shapes,
     data: &D,
     on_step: &(dyn Fn(&StepReport) + Sync),
     checkpointing: Checkpointing<'_>,
-) -> Result<Option<TrainOutcome<M>>, EngineError>
+    timeline_steps: usize,
+) -> Result<Option<TrainOutcome<Option<W>>>, EngineError>
 where
     B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
+    M: ModelDescription<B>,
+    W: Module<B> + Clone,
     C: ProcessRank<B::InnerBackend>,
     D: DataSource<B>,
 {
@@ -87,12 +101,13 @@ where
         run(
             comm,
             model,
+            whole,
             cfg,
             program,
-            &shapes,
             data,
             on_step,
             checkpointing,
+            timeline_steps,
         )
     }));
     let rank = comm.rank();
@@ -118,25 +133,27 @@ where
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run<B, M, C, D>(
+fn run<B, M, W, C, D>(
     comm: &C,
     model: &M,
+    whole: Option<&W>,
     cfg: &EngineConfig,
     program: PipelineSchedule,
-    shapes: &Shapes,
     data: &D,
     on_step: &(dyn Fn(&StepReport) + Sync),
     checkpointing: Checkpointing<'_>,
-) -> Result<Option<TrainOutcome<M>>, EngineError>
+    timeline_steps: usize,
+) -> Result<Option<TrainOutcome<Option<W>>>, EngineError>
 where
     B: AutodiffBackend,
-    M: PipelineModel<B> + Clone,
+    M: ModelDescription<B>,
+    W: Module<B> + Clone,
     C: ProcessRank<B::InnerBackend>,
     D: DataSource<B>,
 {
     let grid = comm.grid();
     let rank = comm.rank();
-    let stages = stages_for_rank(model, cfg, &program, grid.pp_index(rank))?;
+    let stages = build_rank_stages(model, cfg, &program, grid.pp_index(rank), comm.device())?;
     // A world barrier (pipeline, then data-parallel) so that the ranks start together. Their
     // time zeros still differ by the barrier's latency; the system clock, read together with
     // the monotonic one, lets rank 0 put every timeline on one axis (exactly on one machine,
@@ -148,8 +165,9 @@ where
     let plan = RankPlan {
         cfg,
         program: &program,
-        shapes,
         epoch,
+        timeline_steps,
+        hand_back: whole.is_some(),
     };
     let outcome = train_rank_with(comm, &plan, stages, data, on_step, checkpointing)?;
     let elapsed = epoch.elapsed();
@@ -172,13 +190,17 @@ where
                 )
             })
             .collect(),
+        step_ends: outcome.step_ends.iter().map(|e| e.to_bits()).collect(),
+        collective_share: outcome.collective_share,
         peak_param_bytes: outcome.peak_param_bytes,
+        peak_rss_bytes: peak_rss_bytes(),
+        param_sq: outcome.param_sq,
         epoch_unix_ns,
         last_step: outcome.last_step,
     };
     let bytes = serde_json::to_vec(&report)
         .map_err(|e| EngineError::RankFailure(format!("rank {rank}: report: {e}")))?;
-    if grid.dp_index(rank) == 0 && rank != 0 {
+    if whole.is_some() && grid.dp_index(rank) == 0 && rank != 0 {
         for (s, module) in &outcome.stages {
             // The trained stages are handed back in fp32, whatever the compute dtype.
             let flat = flatten_params(module).inner();
@@ -196,29 +218,146 @@ where
         return Ok(None);
     }
 
-    // World rank 0: every rank's report, and the trained stages of replica 0.
-    let mut reports = vec![report];
+    // World rank 0: every rank's report, folded in one at a time, and the trained stages of
+    // replica 0 when the model is assembled.
+    let last_pp = program.stage_ranks[program.num_stages() - 1];
+    let mut fold = ReportFold::new(grid.rank_of(last_pp, 0), epoch_unix_ns);
+    fold.add(0, report)?;
     for peer in 1..grid.world_size() {
         let bytes = comm.recv_bytes(peer, REPORT_TAG).map_err(comm_err)?;
         let r: RankReport = serde_json::from_slice(&bytes).map_err(|e| {
             EngineError::RankFailure(format!("rank 0: report of rank {peer} is malformed: {e}"))
         })?;
-        reports.push(r);
+        fold.add(peer, r)?;
     }
+    let model = match whole {
+        Some(whole) => Some(assemble(comm, model, whole, cfg, &program, outcome.stages)?),
+        None => None,
+    };
+    Ok(Some(TrainOutcome {
+        losses: fold.losses,
+        model,
+        timelines: fold.timelines,
+        step_times: step_times(&[fold.step_ends]),
+        collective_share: fold.collective_share,
+        peak_param_bytes: fold.peak_param_bytes,
+        peak_rss_bytes: fold.peak_rss_bytes,
+        param_norm: fold.param_sq.sqrt(),
+        elapsed,
+        skipped_steps,
+        loss_scale,
+        last_step: fold.last_step,
+    }))
+}
+
+/// The ranks' reports as rank 0 folds them in, in world-rank order: each report is dropped
+/// once folded, so rank 0 never holds every rank's step times at once.
+struct ReportFold {
+    /// The rank whose losses are the run's (the last stage's, replica 0).
+    loss_rank: usize,
+    /// Rank 0's time zero on the system clock.
+    epoch_unix_ns: u64,
+    losses: Vec<f64>,
+    timelines: Vec<Vec<TimedEvent>>,
+    /// The latest end of every step on any rank so far, on rank 0's clock.
+    step_ends: Vec<f64>,
+    collective_share: Vec<f64>,
+    peak_param_bytes: Vec<usize>,
+    peak_rss_bytes: Vec<Option<u64>>,
+    param_sq: f64,
+    last_step: Vec<StepCounts>,
+}
+
+impl ReportFold {
+    fn new(loss_rank: usize, epoch_unix_ns: u64) -> Self {
+        ReportFold {
+            loss_rank,
+            epoch_unix_ns,
+            losses: Vec::new(),
+            timelines: Vec::new(),
+            step_ends: Vec::new(),
+            collective_share: Vec::new(),
+            peak_param_bytes: Vec::new(),
+            peak_rss_bytes: Vec::new(),
+            param_sq: 0.0,
+            last_step: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, peer: usize, r: RankReport) -> Result<(), EngineError> {
+        if peer == self.loss_rank {
+            self.losses = r
+                .losses
+                .iter()
+                .map(|l| l.map(f64::from_bits).unwrap_or(f64::NAN))
+                .collect();
+        }
+        // Seconds from rank 0's time zero to this rank's.
+        let shift = (r.epoch_unix_ns as f64 - self.epoch_unix_ns as f64) * 1e-9;
+        let events = r
+            .events
+            .into_iter()
+            .map(|(step, start, end, action, opens_pair)| {
+                let mut action: Action = action.parse().map_err(|e| {
+                    EngineError::RankFailure(format!(
+                        "rank 0: action `{action}` of rank {peer} does not parse: {e}"
+                    ))
+                })?;
+                action.overlaps_next = opens_pair;
+                Ok(TimedEvent {
+                    step,
+                    action,
+                    start: f64::from_bits(start) + shift,
+                    end: f64::from_bits(end) + shift,
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        self.timelines.push(events);
+        if self.step_ends.len() < r.step_ends.len() {
+            self.step_ends.resize(r.step_ends.len(), 0.0);
+        }
+        for (end, bits) in self.step_ends.iter_mut().zip(r.step_ends) {
+            *end = end.max(f64::from_bits(bits) + shift);
+        }
+        self.collective_share.push(r.collective_share);
+        self.peak_param_bytes.push(r.peak_param_bytes);
+        self.peak_rss_bytes.push(r.peak_rss_bytes);
+        self.param_sq += r.param_sq;
+        self.last_step.push(r.last_step);
+        Ok(())
+    }
+}
+
+/// Rank 0's part of assembling the trained model: its own stages of replica 0 and those the
+/// other ranks of replica 0 send, loaded into stage templates cut from `whole` and put back
+/// into a copy of it.
+fn assemble<B, M, W, C>(
+    comm: &C,
+    model: &M,
+    whole: &W,
+    cfg: &EngineConfig,
+    program: &PipelineSchedule,
+    own_stages: Vec<(usize, M::Stage)>,
+) -> Result<W, EngineError>
+where
+    B: AutodiffBackend,
+    M: ModelDescription<B>,
+    W: Module<B> + Clone,
+    C: ProcessRank<B::InnerBackend>,
+{
+    let grid = comm.grid();
     let mut own: Vec<Option<M::Stage>> = Vec::new();
-    for (s, module) in outcome.stages {
+    for (s, module) in own_stages {
         if own.len() <= s {
             own.resize_with(s + 1, || None);
         }
         own[s] = Some(module);
     }
-    // Templates of every stage (for their parameter layout), cut from the initial model.
-    let templates = (0..grid.pp())
-        .map(|p| stages_for_rank(model, cfg, &program, p))
-        .collect::<Result<Vec<_>, _>>()?;
+    let device = comm.device().clone();
     let mut stages: Vec<(usize, M::Stage)> = Vec::new();
-    for (p, list) in templates.into_iter().enumerate() {
-        for (s, template) in list {
+    for p in 0..grid.pp() {
+        // Templates of the stage layout (only their shapes and ids are used).
+        for (s, template) in build_rank_stages(model, cfg, program, p, &device)? {
             if p == 0 {
                 if let Some(m) = own.get_mut(s).and_then(Option::take) {
                     stages.push((s, m));
@@ -239,50 +378,5 @@ where
     }
     stages.sort_by_key(|(s, _)| *s);
     let stages: Vec<M::Stage> = stages.into_iter().map(|(_, s)| s).collect();
-    let model = recombine(model.clone(), &stages)?;
-
-    let last_pp = program.stage_ranks[program.num_stages() - 1];
-    let losses = reports[grid.rank_of(last_pp, 0)]
-        .losses
-        .iter()
-        .map(|l| l.map(f64::from_bits).unwrap_or(f64::NAN))
-        .collect();
-    let mut timelines = Vec::with_capacity(reports.len());
-    let mut peak_param_bytes = Vec::with_capacity(reports.len());
-    let mut last_step = Vec::with_capacity(reports.len());
-    for (peer, r) in reports.into_iter().enumerate() {
-        last_step.push(r.last_step);
-        // Seconds from rank 0's time zero to this rank's.
-        let shift = (r.epoch_unix_ns as f64 - epoch_unix_ns as f64) * 1e-9;
-        let events = r
-            .events
-            .into_iter()
-            .map(|(step, start, end, action, opens_pair)| {
-                let mut action: Action = action.parse().map_err(|e| {
-                    EngineError::RankFailure(format!(
-                        "rank 0: action `{action}` of rank {peer} does not parse: {e}"
-                    ))
-                })?;
-                action.overlaps_next = opens_pair;
-                Ok(TimedEvent {
-                    step,
-                    action,
-                    start: f64::from_bits(start) + shift,
-                    end: f64::from_bits(end) + shift,
-                })
-            })
-            .collect::<Result<Vec<_>, EngineError>>()?;
-        timelines.push(events);
-        peak_param_bytes.push(r.peak_param_bytes);
-    }
-    Ok(Some(TrainOutcome {
-        losses,
-        model,
-        timelines,
-        peak_param_bytes,
-        elapsed,
-        skipped_steps,
-        loss_scale,
-        last_step,
-    }))
+    Ok(recombine(whole.clone(), &stages)?)
 }

@@ -7,12 +7,13 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::data::DataSource;
 use super::executor::{ExecutorSettings, RankExecutor};
+use super::shapes::{find_shapes, BatchShapes};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
 use super::stage::LocalStage;
-use super::trainer::Shapes;
+use super::timeline::Recorder;
 use super::{EngineConfig, EngineError, FaultKind, StepCounts, StepReport};
 use crate::comm::{Communicator, Group};
-use crate::model::{module_to_device, split_model, PipelineModel, PipelineStage};
+use crate::model::{module_to_device, split_described, ModelDescription, PipelineStage};
 use crate::schedule::PipelineSchedule;
 use crate::schedule::TimedEvent;
 
@@ -23,11 +24,12 @@ pub(crate) struct RankPlan<'a> {
     pub(crate) cfg: &'a EngineConfig,
     /// The lowered per-rank programs, from [`EngineConfig::program`].
     pub(crate) program: &'a PipelineSchedule,
-    /// The shapes of the data and of the activation across every stage boundary, from the
-    /// dry run.
-    pub(crate) shapes: &'a Shapes,
     /// Time zero of the recorded timeline.
     pub(crate) epoch: Instant,
+    /// Steps whose actions the timeline keeps (the last ones).
+    pub(crate) timeline_steps: usize,
+    /// Whether the rank hands its trained stages back (gathered, fp32) at the end.
+    pub(crate) hand_back: bool,
 }
 
 /// What one rank produced.
@@ -35,12 +37,20 @@ pub(crate) struct RankPlan<'a> {
 pub(crate) struct RankOutcome<S> {
     /// The step's mean loss over the global batch, on ranks that hold the last stage.
     pub(crate) losses: Vec<Option<f64>>,
-    /// The rank's stages, by global index, with their final (gathered) weights.
+    /// The rank's stages, by global index, with their final (gathered) weights; empty
+    /// without [`RankPlan::hand_back`].
     pub(crate) stages: Vec<(usize, S)>,
-    /// Every action the rank ran.
+    /// The actions of the last steps the timeline keeps.
     pub(crate) events: Vec<TimedEvent>,
+    /// The end of every step's last action, seconds since the epoch.
+    pub(crate) step_ends: Vec<f64>,
+    /// The share of the rank's action time in data-parallel collectives.
+    pub(crate) collective_share: f64,
     /// Highest bytes of parameter values the rank held.
     pub(crate) peak_param_bytes: usize,
+    /// The sum of squares of the final parameters this rank keeps (see
+    /// [`super::executor::Finished::param_sq`]).
+    pub(crate) param_sq: f64,
     /// Steps whose update was skipped (non-finite loss or gradient norm); the same on every
     /// rank.
     pub(crate) skipped_steps: Vec<usize>,
@@ -50,34 +60,34 @@ pub(crate) struct RankOutcome<S> {
     pub(crate) last_step: StepCounts,
 }
 
-/// The stages pipeline rank `pp_index` holds under `program`, cut from `model`.
-///
-/// Every process of a multi-process run calls this on an identically initialised model, so
-/// the stages agree without sending weights around.
-pub(crate) fn stages_for_rank<B, M>(
+/// Builds the stages pipeline rank `pp_index` holds under `program` on `device`, and only
+/// those: the model is never built whole.
+pub(crate) fn build_rank_stages<B, M>(
     model: &M,
     cfg: &EngineConfig,
     program: &PipelineSchedule,
     pp_index: usize,
+    device: &B::Device,
 ) -> Result<Vec<(usize, M::Stage)>, EngineError>
 where
-    B: AutodiffBackend,
-    M: PipelineModel<B>,
+    B: Backend,
+    M: ModelDescription<B>,
 {
-    let ranges = split_model(model, program.num_stages(), &cfg.split)?;
-    let modules = model.stages(&ranges)?;
-    Ok(modules
+    let ranges = split_described(model, program.num_stages(), &cfg.split)?;
+    ranges
         .into_iter()
         .enumerate()
         .filter(|&(s, _)| program.stage_ranks[s] == pp_index)
-        .collect())
+        .map(|(s, layers)| Ok((s, model.build_stage(layers, device)?)))
+        .collect()
 }
 
 /// Runs this rank's program over `comm` from `checkpointing.start_step() + 1` to the run's
 /// last step, so the learning rate and the data continue where a saved run stopped; the
 /// returned losses are those of the steps that ran. `stages` are the rank's stages (see
-/// [`stages_for_rank`]); `on_step` is called on the rank that holds the last stage in replica
-/// 0 after every step.
+/// [`build_rank_stages`]); the rank first learns the run's shapes from them
+/// ([`find_shapes`]). `on_step` is called on the rank that holds the last stage in replica 0
+/// after every step.
 pub(crate) fn train_rank_with<B, S, C, D>(
     comm: &C,
     plan: &RankPlan<'_>,
@@ -113,12 +123,17 @@ where
     let dp_index = comm.group_rank(Group::DataParallel);
     let pp_index = comm.group_rank(Group::Pipeline);
     // The rank computes on its communicator's device (received tensors arrive there); stages
-    // cut from a model elsewhere move first, as leaves with their own autodiff graph.
+    // built elsewhere move first, as leaves with their own autodiff graph.
     let device = comm.device().clone();
+    let stages: Vec<(usize, S)> = stages
+        .into_iter()
+        .map(|(s, module)| (s, module_to_device(module, &device)))
+        .collect();
+    let start = checkpointing.start_step();
+    let shapes = find_shapes(comm, plan.program, &stages, data, start + 1)?;
     let mut local: Vec<_> = stages
         .into_iter()
         .map(|(s, module)| {
-            let module = module_to_device(module, &device);
             LocalStage::new(
                 s,
                 module,
@@ -130,7 +145,6 @@ where
             )
         })
         .collect::<Result<_, _>>()?;
-    let start = checkpointing.start_step();
     if !checkpointing.resume.is_empty() {
         restore_rank(rank, &mut local, checkpointing.resume)?;
     }
@@ -140,15 +154,17 @@ where
         microbatches: cfg.microbatches,
         num_stages: plan.program.num_stages(),
         stage_ranks: plan.program.stage_ranks.clone(),
-        activation_shapes: plan.shapes.activations.clone(),
+        activation_shapes: shapes.activations.clone(),
         max_grad_norm: cfg.max_grad_norm,
         on_nonfinite: cfg.on_nonfinite,
         precision: cfg.precision,
         loss_scaling: cfg.loss_scaling,
-        target_classes: plan.shapes.target_classes,
+        target_classes: shapes.target_classes,
     };
     let list = plan.program.ranks[pp_index].clone();
-    let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch);
+    let recorder = Recorder::new(plan.timeline_steps, start);
+    let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch, recorder);
+    let batch_shapes = BatchShapes::default();
     if let Some(scaler) = checkpointing.resume.get(rank).and_then(|s| s.scaler) {
         exec.restore_scaler(scaler);
     }
@@ -181,7 +197,7 @@ where
             let batch = data
                 .micro_batch(step, dp_index, microbatch)
                 .map_err(|e| failed(format!("the data source failed: {e}")))?;
-            plan.shapes.check(&batch).map_err(failed)?;
+            batch_shapes.check(&batch).map_err(failed)?;
             Ok(batch.to_device(&device))
         };
         let outcome = exec.step(step, lr, &batch)?;
@@ -204,7 +220,7 @@ where
         }
     }
     let loss_scale = exec.loss_scale();
-    let finished = exec.finish()?;
+    let finished = exec.finish(plan.hand_back)?;
     // The stages leave this thread (the trained model is assembled by the caller): their last
     // updates may still be queued on this thread's stream, which another thread's reads do
     // not wait for on CubeCL backends.
@@ -216,8 +232,11 @@ where
     Ok(RankOutcome {
         losses,
         stages: finished.stages,
-        events: finished.events,
+        events: finished.recorder.events(),
+        step_ends: finished.recorder.step_ends().to_vec(),
+        collective_share: finished.recorder.collective_share(),
         peak_param_bytes: finished.peak_param_bytes,
+        param_sq: finished.param_sq,
         skipped_steps,
         loss_scale,
         last_step,

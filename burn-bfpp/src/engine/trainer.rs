@@ -10,13 +10,11 @@ use super::data::DataSource;
 use super::multiprocess::train_processes;
 use super::{
     train_world, Checkpointing, EngineConfig, EngineError, Fault, StepReport, TrainConfig,
-    TrainOutcome,
+    TrainOutcome, TrainedStages, DEFAULT_TIMELINE_STEPS,
 };
-use crate::comm::{CommError, Communicator, LocalComm, ProcessRank, RankGrid, ThreadRank};
-use crate::model::{
-    split_model, MicroBatch, ModelError, PipelineModel, PipelineStage, StageInput, StageOutput,
-};
-use crate::schedule::{ActionKind, PipelineSchedule};
+use crate::comm::{Communicator, LocalComm, ProcessRank, RankGrid, ThreadRank};
+use crate::model::{module_to_device, recombine, CutFrom, ModelDescription, PipelineModel};
+use crate::schedule::PipelineSchedule;
 
 /// The ranks as threads of this process, all on the model's device (the default world).
 #[derive(Debug, Clone, Copy, Default)]
@@ -68,6 +66,7 @@ pub struct Trainer<'a, W = Threads> {
     on_step: Box<dyn Fn(&StepReport) + Sync + 'a>,
     fault: Option<Fault>,
     stop_after: Option<usize>,
+    timeline_steps: usize,
 }
 
 impl std::fmt::Debug for Trainer<'_> {
@@ -88,6 +87,7 @@ impl<'a> Trainer<'a, Threads> {
             on_step: Box::new(|_| {}),
             fault: None,
             stop_after: None,
+            timeline_steps: DEFAULT_TIMELINE_STEPS,
         }
     }
 }
@@ -106,6 +106,7 @@ impl<'a, W> Trainer<'a, W> {
             on_step: self.on_step,
             fault: self.fault,
             stop_after: self.stop_after,
+            timeline_steps: self.timeline_steps,
         }
     }
 
@@ -150,6 +151,14 @@ impl<'a, W> Trainer<'a, W> {
         self
     }
 
+    /// Keeps every action of the last `steps` steps in the outcome's timelines (default
+    /// [`DEFAULT_TIMELINE_STEPS`]; 0 keeps none). Earlier steps leave only their times and
+    /// collective shares behind, so a run's memory does not grow with its length.
+    pub fn timeline_steps(mut self, steps: usize) -> Self {
+        self.timeline_steps = steps;
+        self
+    }
+
     /// Makes a rank fail as told, to test that a failure stops every rank with an error
     /// naming it.
     pub fn inject_fault(mut self, fault: Fault) -> Self {
@@ -169,7 +178,7 @@ impl<'a, W> Trainer<'a, W> {
 
 impl<'a> Trainer<'a, Threads> {
     /// Trains `model` on `data`; returns the losses, the trained model (on the device it came
-    /// on), every rank's timeline and the run's counts.
+    /// on), the last steps' timelines and the run's counts.
     pub fn fit<B, M, D>(self, model: M, data: D) -> Result<TrainOutcome<M>, EngineError>
     where
         B: AutodiffBackend,
@@ -181,9 +190,40 @@ impl<'a> Trainer<'a, Threads> {
         let devices = vec![device; self.config.world_size()];
         self.on_devices(devices).fit(model, data)
     }
+
+    /// Trains the model `model` describes on `data`, every rank on the default device,
+    /// building each rank's stages there (see [`ModelDescription`]): the model never exists
+    /// whole. Returns the trained stages of replica 0.
+    pub fn fit_described<B, M, D>(
+        self,
+        model: &M,
+        data: D,
+    ) -> Result<TrainOutcome<TrainedStages<M::Stage>>, EngineError>
+    where
+        B: AutodiffBackend,
+        M: ModelDescription<B>,
+        M::Stage: Send,
+        D: DataSource<B>,
+    {
+        let devices = vec![Default::default(); self.config.world_size()];
+        self.on_devices(devices).fit_described(model, data)
+    }
 }
 
 impl<'a, Dv: Clone> Trainer<'a, ThreadsOn<Dv>> {
+    /// The thread world over `self`'s devices.
+    fn thread_comms<B: AutodiffBackend<Device = Dv>>(
+        self,
+    ) -> Result<Trainer<'a, ThreadComms<LocalComm<B::InnerBackend>>>, EngineError> {
+        // Only the layout and the communication settings: the programs are compiled once,
+        // by the communicator world's `fit` below.
+        let engine = self.config.engine()?;
+        let grid = RankGrid::new(engine.pp, engine.dp)?;
+        let comms: Vec<LocalComm<B::InnerBackend>> =
+            LocalComm::create_with_devices(grid, self.world.0.clone(), engine.comm_config())?;
+        Ok(self.with_world(ThreadComms(comms)))
+    }
+
     /// Trains `model` on `data` with world rank `r` on device `r`; the trained model comes
     /// back on the device `model` is on.
     pub fn fit<B, M, D>(self, model: M, data: D) -> Result<TrainOutcome<M>, EngineError>
@@ -193,13 +233,23 @@ impl<'a, Dv: Clone> Trainer<'a, ThreadsOn<Dv>> {
         M::Stage: Send,
         D: DataSource<B>,
     {
-        // Only the layout and the communication settings: the programs are compiled once,
-        // by the communicator world's `fit` below.
-        let engine = self.config.engine()?;
-        let grid = RankGrid::new(engine.pp, engine.dp)?;
-        let comms: Vec<LocalComm<B::InnerBackend>> =
-            LocalComm::create_with_devices(grid, self.world.0.clone(), engine.comm_config())?;
-        self.with_world(ThreadComms(comms)).fit(model, data)
+        self.thread_comms::<B>()?.fit(model, data)
+    }
+
+    /// Trains the model `model` describes on `data` with world rank `r` on device `r`, each
+    /// rank's stages built on its device.
+    pub fn fit_described<B, M, D>(
+        self,
+        model: &M,
+        data: D,
+    ) -> Result<TrainOutcome<TrainedStages<M::Stage>>, EngineError>
+    where
+        B: AutodiffBackend<Device = Dv>,
+        M: ModelDescription<B>,
+        M::Stage: Send,
+        D: DataSource<B>,
+    {
+        self.thread_comms::<B>()?.fit_described(model, data)
     }
 }
 
@@ -213,34 +263,113 @@ impl<'a, C> Trainer<'a, ThreadComms<C>> {
         C: ThreadRank + Communicator<B::InnerBackend>,
         D: DataSource<B>,
     {
+        let home = model.devices().into_iter().next().unwrap_or_default();
+        let outcome = self.fit_described(&CutFrom(&model), data)?;
+        outcome.try_map_model(|trained| {
+            let stages: Vec<M::Stage> = trained
+                .stages
+                .into_iter()
+                .map(|s| module_to_device(s, &home))
+                .collect();
+            recombine(model.clone(), &stages).map_err(EngineError::from)
+        })
+    }
+
+    /// Trains the model `model` describes on `data` with a thread per communicator, each
+    /// rank's stages built on its communicator's device.
+    pub fn fit_described<B, M, D>(
+        self,
+        model: &M,
+        data: D,
+    ) -> Result<TrainOutcome<TrainedStages<M::Stage>>, EngineError>
+    where
+        B: AutodiffBackend,
+        M: ModelDescription<B>,
+        M::Stage: Send,
+        C: ThreadRank + Communicator<B::InnerBackend>,
+        D: DataSource<B>,
+    {
         let (engine, program) = self.prepare()?;
-        let shapes = dry_run(&model, &engine, &program, &data, &self.checkpointing)?;
         let Trainer {
             world,
             checkpointing,
             on_step,
+            timeline_steps,
             ..
         } = self;
         train_world(
-            &model,
+            model,
             &engine,
             program,
             world.0,
-            shapes,
             &data,
             &on_step,
             checkpointing,
+            timeline_steps,
         )
     }
 }
 
 impl<'a, C> Trainer<'a, ProcessWorld<'a, C>> {
     /// Trains this process's rank of `model` on `data`; world rank 0 returns the outcome
-    /// (every rank's timeline and counts, the trained model), the other ranks `None`.
+    /// (every rank's timeline and counts, the trained model), the other ranks `None`. Every
+    /// process holds the model it was given; rank 0 also receives the other ranks' trained
+    /// stages to assemble it, so this is for models one process can hold:
+    /// [`Trainer::fit_described`] is for the others.
     pub fn fit<B, M, D>(self, model: M, data: D) -> Result<Option<TrainOutcome<M>>, EngineError>
     where
         B: AutodiffBackend,
         M: PipelineModel<B> + Clone,
+        C: ProcessRank<B::InnerBackend>,
+        D: DataSource<B>,
+    {
+        let outcome = self.run_process(&CutFrom(&model), data, Some(&model))?;
+        outcome
+            .map(|o| {
+                o.try_map_model(|m| {
+                    m.ok_or_else(|| {
+                        EngineError::RankFailure("rank 0 assembled no trained model".into())
+                    })
+                })
+            })
+            .transpose()
+    }
+
+    /// Trains this process's rank of the model `model` describes on `data`, building only
+    /// this rank's stages; world rank 0 returns the outcome, the other ranks `None`. The
+    /// trained weights stay on their ranks ([`TrainedStages`] is empty): save them with a
+    /// checkpoint ([`Trainer::checkpointing`]).
+    pub fn fit_described<B, M, D>(
+        self,
+        model: &M,
+        data: D,
+    ) -> Result<Option<TrainOutcome<TrainedStages<M::Stage>>>, EngineError>
+    where
+        B: AutodiffBackend,
+        M: ModelDescription<B>,
+        C: ProcessRank<B::InnerBackend>,
+        D: DataSource<B>,
+    {
+        let outcome = self.run_process::<B, M, D, M::Stage>(model, data, None)?;
+        outcome
+            .map(|o| {
+                o.try_map_model(|_| Ok::<_, EngineError>(TrainedStages { stages: Vec::new() }))
+            })
+            .transpose()
+    }
+
+    /// The body of both `fit`s: with `whole`, rank 0 assembles the trained model into a copy
+    /// of it.
+    fn run_process<B, M, D, W>(
+        self,
+        model: &M,
+        data: D,
+        whole: Option<&W>,
+    ) -> Result<Option<TrainOutcome<Option<W>>>, EngineError>
+    where
+        B: AutodiffBackend,
+        M: ModelDescription<B>,
+        W: Module<B> + Clone,
         C: ProcessRank<B::InnerBackend>,
         D: DataSource<B>,
     {
@@ -252,168 +381,23 @@ impl<'a, C> Trainer<'a, ProcessWorld<'a, C>> {
                 return Err(e);
             }
         };
-        let shapes = match dry_run(&model, &engine, &program, &data, &self.checkpointing) {
-            Ok(shapes) => shapes,
-            Err(e) => {
-                self.world.0.abort(&e.to_string());
-                return Err(e);
-            }
-        };
         let Trainer {
             world,
             checkpointing,
             on_step,
+            timeline_steps,
             ..
         } = self;
         train_processes(
             world.0,
-            &model,
+            model,
+            whole,
             &engine,
             program,
-            shapes,
             &data,
             &on_step,
             checkpointing,
+            timeline_steps,
         )
     }
-}
-
-/// The shapes a run's tensors have, from its dry run: the micro-batches' inputs and targets,
-/// and the activation that crosses every stage boundary (`s → s + 1`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Shapes {
-    pub(crate) activations: Vec<[usize; 3]>,
-    pub(crate) inputs: Vec<usize>,
-    pub(crate) targets: Vec<usize>,
-    /// The last stage's [`PipelineStage::target_classes`].
-    pub(crate) target_classes: Option<usize>,
-}
-
-impl Shapes {
-    /// Fails, saying how, unless `batch` has the dry run's shapes.
-    pub(crate) fn check<B: burn::tensor::backend::Backend>(
-        &self,
-        batch: &MicroBatch<B>,
-    ) -> Result<(), String> {
-        let (inputs, targets) = batch_dims(batch);
-        if inputs != self.inputs || targets != self.targets {
-            return Err(format!(
-                "inputs of shape {inputs:?} and targets of shape {targets:?}, where the first \
-                 micro-batch had {:?} and {:?}: every micro-batch must have one shape",
-                self.inputs, self.targets
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// The shapes of a micro-batch's inputs and targets.
-fn batch_dims<B: burn::tensor::backend::Backend>(
-    batch: &MicroBatch<B>,
-) -> (Vec<usize>, Vec<usize>) {
-    use crate::model::{Inputs, Targets};
-    let inputs = match &batch.inputs {
-        Inputs::Tokens(t) => t.dims().to_vec(),
-        Inputs::Features(t) => t.dims().to_vec(),
-    };
-    let targets = match &batch.targets {
-        Targets::Tokens(t) => t.dims().to_vec(),
-        Targets::Values(t) => t.dims().to_vec(),
-    };
-    (inputs, targets)
-}
-
-/// The dry run: the first micro-batch through the stages on one device, without gradients,
-/// for the shapes of the activation that crosses every stage boundary and of the data.
-/// Refuses a split whose stages do not return activations where they should, or whose last
-/// stage does not return a loss.
-pub(crate) fn dry_run<B, M, D>(
-    model: &M,
-    engine: &EngineConfig,
-    program: &PipelineSchedule,
-    data: &D,
-    checkpointing: &Checkpointing<'_>,
-) -> Result<Shapes, EngineError>
-where
-    B: AutodiffBackend,
-    M: PipelineModel<B>,
-    D: DataSource<B>,
-{
-    let ranges = split_model(model, program.num_stages(), &engine.split)?;
-    let stages = model.stages(&ranges)?;
-    let step = checkpointing.start_step() + 1;
-    let device = model.devices().into_iter().next().unwrap_or_default();
-    let batch: MicroBatch<B> = data
-        .micro_batch(step, 0, 0)
-        .map_err(|e| EngineError::Data {
-            rank: 0,
-            step,
-            microbatch: 0,
-            reason: format!(
-                "the data source failed: {e} (the first micro-batch, read to size the \
-                 activations)"
-            ),
-        })?
-        .to_device(&device);
-    let (inputs, targets) = batch_dims(&batch);
-    let mut activations = Vec::with_capacity(stages.len().saturating_sub(1));
-    let mut input = StageInput::Data(batch.inputs.clone());
-    let last = stages.len().saturating_sub(1);
-    let split_backward = program.ranks.iter().flatten().any(|a| {
-        matches!(
-            a.kind,
-            ActionKind::BackwardInput | ActionKind::BackwardWeight
-        )
-    });
-    for (s, stage) in stages.into_iter().enumerate() {
-        if split_backward && !stage.splits_weight_grads() {
-            return Err(ModelError::Split(format!(
-                "stage {s} (layers {:?}) does not defer its weight gradients, and the schedule \
-                 splits each backward into I (input gradient) and W (weight gradients): build \
-                 the stage's matrix products from burn_bfpp::model::SplitLinear and return \
-                 true from `splits_weight_grads`, or choose a schedule with a full backward \
-                 (gpipe, 1f1b, interleaved, breadth-first)",
-                stage.layers()
-            ))
-            .into());
-        }
-        // No gradients: nothing of the dry run is kept.
-        let stage = stage.no_grad();
-        let targets_in = (s == last).then_some(&batch.targets);
-        let target_classes = stage.target_classes();
-        match (stage.forward(input, targets_in)?, s == last) {
-            (StageOutput::Hidden(h), false) => {
-                activations.push(h.dims());
-                input = StageInput::Hidden(h);
-            }
-            (StageOutput::Loss(_), true) => {
-                return Ok(Shapes {
-                    activations,
-                    inputs,
-                    targets,
-                    target_classes,
-                })
-            }
-            (StageOutput::Loss(_), false) => {
-                return Err(ModelError::Split(format!(
-                    "stage {s} of {} returned a loss: only the last stage may hold the head",
-                    last + 1
-                ))
-                .into())
-            }
-            (StageOutput::Hidden(_), true) => {
-                return Err(ModelError::Split(
-                    "the last stage returned activations, not a loss: its layers must end \
-                     with the model's head (its loss)"
-                        .into(),
-                )
-                .into())
-            }
-        }
-    }
-    Err(EngineError::from(CommError::InvalidGrid {
-        pp: engine.pp,
-        dp: engine.dp,
-        reason: "the schedule has no stages".into(),
-    }))
 }

@@ -11,18 +11,17 @@ use burn::backend::Flex;
 use burn::module::{Initializer, Module};
 use burn::nn::{DropoutConfig, EmbeddingConfig, Gelu, LayerNormConfig, LinearConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, TensorData};
 use cubecl_kernels::FusedOps;
 use serde::{Deserialize, Serialize};
 
+use super::describe::{build_seeded, draw_layer, ModelDescription};
 use super::gpt_layers::{flash_head_dim, CausalSelfAttention, GptBlock, GptEmbedding, GptHead};
-use super::params::{flatten_params, load_flat};
 use super::Inputs;
 use super::{
-    check_range, materialize, random_init_lock, ModelError, PipelineModel, PipelineStage,
-    StageInput, StageOutput, Targets,
+    check_range, materialize, model_paths, random_init_lock, ModelError, PipelineModel,
+    PipelineStage, StageInput, StageOutput, Targets,
 };
-use crate::host_read::{self, ReadPurpose};
 
 /// The shape of a [`Gpt`]. Deserialises from JSON with every field optional (defaults below).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -202,12 +201,44 @@ impl GptConfig {
     /// materialises them (see [`materialize`]) so that stages cut from it share its values.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
         let _draws = random_init_lock();
-        self.init_drawing(device)
+        let model = self.skeleton(device)?;
+        materialize(&model);
+        Ok(model)
     }
 
-    /// [`init`](Self::init) with the random state already held by the caller.
-    fn init_drawing<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
+    /// The whole model with its parameters not yet initialised (Burn's lazy parameters):
+    /// nothing is drawn or allocated, so its parameter names, shapes and count
+    /// ([`super::named_param_shapes`], [`super::param_shapes`]) cost nothing. A parameter
+    /// read from it initialises from the backend's current random state.
+    pub fn skeleton<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
         self.validate()?;
+        Ok(Gpt {
+            embed: self.embedding(device),
+            blocks: (0..self.layers).map(|_| self.block(device)).collect(),
+            head: self.head(device),
+            config: self.clone(),
+        })
+    }
+
+    /// Layer 0 (lazy parameters).
+    fn embedding<B: Backend>(&self, device: &B::Device) -> GptEmbedding<B> {
+        let normal = Initializer::Normal {
+            mean: 0.0,
+            std: self.init_std,
+        };
+        GptEmbedding {
+            tokens: EmbeddingConfig::new(self.vocab_size, self.hidden)
+                .with_initializer(normal.clone())
+                .init(device),
+            positions: EmbeddingConfig::new(self.seq_len, self.hidden)
+                .with_initializer(normal)
+                .init(device),
+            dropout: DropoutConfig::new(self.dropout).init(),
+        }
+    }
+
+    /// One transformer block, layers `1..=layers` (lazy parameters).
+    fn block<B: Backend>(&self, device: &B::Device) -> GptBlock<B> {
         let normal = |std: f64| Initializer::Normal { mean: 0.0, std };
         let residual_std = self.init_std / (2.0 * self.layers as f64).sqrt();
         let linear = |d_in: usize, d_out: usize, std: f64| {
@@ -217,81 +248,158 @@ impl GptConfig {
                 .into()
         };
         let norm = || LayerNormConfig::new(self.hidden).init(device);
-        let dropout = DropoutConfig::new(self.dropout).init();
         let (h, mlp) = (self.hidden, self.hidden * self.mlp_ratio);
-
-        let embed = GptEmbedding {
-            tokens: EmbeddingConfig::new(self.vocab_size, h)
-                .with_initializer(normal(self.init_std))
-                .init(device),
-            positions: EmbeddingConfig::new(self.seq_len, h)
-                .with_initializer(normal(self.init_std))
-                .init(device),
-            dropout: dropout.clone(),
-        };
-        let blocks = (0..self.layers)
-            .map(|_| GptBlock {
-                norm1: norm(),
-                attention: CausalSelfAttention {
-                    query: linear(h, h, self.init_std),
-                    // No key bias: it adds `q · b` to every score of a query's row, which
-                    // the softmax cancels, so its gradient is identically zero.
-                    key: LinearConfig::new(h, h)
-                        .with_bias(false)
-                        .with_initializer(normal(self.init_std))
-                        .init(device)
-                        .into(),
-                    value: linear(h, h, self.init_std),
-                    output: linear(h, h, residual_std),
-                    heads: self.heads,
-                },
-                norm2: norm(),
-                fc: linear(h, mlp, self.init_std),
-                gelu: Gelu::new(),
-                proj: linear(mlp, h, residual_std),
-                dropout: dropout.clone(),
-            })
-            .collect();
-        let head = GptHead {
-            norm: norm(),
-            output: (!self.tied_head).then(|| {
-                LinearConfig::new(h, self.vocab_size)
+        GptBlock {
+            norm1: norm(),
+            attention: CausalSelfAttention {
+                query: linear(h, h, self.init_std),
+                // No key bias: it adds `q · b` to every score of a query's row, which the
+                // softmax cancels, so its gradient is identically zero.
+                key: LinearConfig::new(h, h)
                     .with_bias(false)
                     .with_initializer(normal(self.init_std))
                     .init(device)
-                    .into()
-            }),
-        };
-        let model = Gpt {
-            embed,
-            blocks,
-            head,
-            config: self.clone(),
-        };
-        materialize(&model);
-        Ok(model)
+                    .into(),
+                value: linear(h, h, self.init_std),
+                output: linear(h, h, residual_std),
+                heads: self.heads,
+            },
+            norm2: norm(),
+            fc: linear(h, mlp, self.init_std),
+            gelu: Gelu::new(),
+            proj: linear(mlp, h, residual_std),
+            dropout: DropoutConfig::new(self.dropout).init(),
+        }
     }
 
-    /// [`init`](Self::init) with the weights `seed` gives, the same on every backend: each
-    /// backend's generator draws its own stream from one seed, so the weights are drawn on the
-    /// CPU (Burn's Flex backend) and copied to `device`, and a run on wgpu or CUDA starts where
-    /// the same run on the CPU does. The same seed gives the same model also when other threads
-    /// build models at the same time (the seed and the draws after it hold
-    /// [`random_init_lock`]).
+    /// The last layer: final norm and (untied) output projection (lazy parameters).
+    fn head<B: Backend>(&self, device: &B::Device) -> GptHead<B> {
+        GptHead {
+            norm: LayerNormConfig::new(self.hidden).init(device),
+            output: (!self.tied_head).then(|| {
+                LinearConfig::new(self.hidden, self.vocab_size)
+                    .with_bias(false)
+                    .with_initializer(Initializer::Normal {
+                        mean: 0.0,
+                        std: self.init_std,
+                    })
+                    .init(device)
+                    .into()
+            }),
+        }
+    }
+
+    /// The stage of `layers` with its parameters still lazy; refuses a range that holds one
+    /// of a tied head's two uses.
+    fn stage_skeleton<B: Backend>(
+        &self,
+        layers: Range<usize>,
+        device: &B::Device,
+    ) -> Result<GptStage<B>, ModelError> {
+        self.validate()?;
+        let n = self.num_layers();
+        check_range(&layers, n)?;
+        let head_layer = n - 1;
+        let (has_embed, has_head) = (layers.contains(&0), layers.contains(&head_layer));
+        if self.tied_head && has_embed != has_head {
+            return Err(ModelError::TiedHeadAcrossStages {
+                layers,
+                head: head_layer,
+            });
+        }
+        let blocks = layers.start.max(1) - 1..layers.end.min(head_layer) - 1;
+        Ok(GptStage {
+            embed: has_embed.then(|| self.embedding(device)),
+            blocks: blocks.map(|_| self.block(device)).collect(),
+            head: has_head.then(|| self.head(device)),
+            start: layers.start,
+            end: layers.end,
+            num_layers: n,
+            config: self.clone(),
+        })
+    }
+
+    /// The initial values of layer `layer` of the model seeded with `seed`, drawn on the CPU
+    /// from that layer's own seed ([`super::layer_seed`]).
+    fn draw_layer(&self, seed: u64, layer: usize) -> Result<Vec<TensorData>, ModelError> {
+        self.validate()?;
+        let head = self.num_layers() - 1;
+        match layer {
+            0 => draw_layer(seed, layer, |cpu| Ok(self.embedding::<Flex>(cpu))),
+            l if l == head => draw_layer(seed, layer, |cpu| Ok(self.head::<Flex>(cpu))),
+            l if l < head => draw_layer(seed, layer, |cpu| Ok(self.block::<Flex>(cpu))),
+            _ => Err(ModelError::Split(format!(
+                "layer {layer} is outside the model's layers 0..{}",
+                head + 1
+            ))),
+        }
+    }
+
+    /// [`init`](Self::init) with the weights `seed` gives: layer `l` is drawn on the CPU
+    /// (Burn's Flex backend) from its own seed, a function of `seed` and `l` alone
+    /// ([`super::layer_seed`]), and copied to `device`. So the model is the same on every
+    /// backend, its layers are those [`described`](Self::described) builds for any stage,
+    /// and no more than one layer is ever drawn at a time.
     pub fn init_seeded<B: Backend>(
         &self,
         seed: u64,
         device: &B::Device,
     ) -> Result<Gpt<B>, ModelError> {
-        let drawn = {
-            let _draws = random_init_lock();
-            let cpu = Default::default();
-            Flex::seed(&cpu, seed);
-            flatten_params(&self.init_drawing::<Flex>(&cpu)?)
-        };
-        let values = host_read::read(drawn, ReadPurpose::Sync)
-            .map_err(|e| ModelError::Params(format!("reading the drawn weights: {e:?}")))?;
-        load_flat(self.init::<B>(device)?, &Tensor::from_data(values, device))
+        let skeleton = self.skeleton(device)?;
+        build_seeded(0..self.num_layers(), skeleton, |layer| {
+            self.draw_layer(seed, layer)
+        })
+    }
+
+    /// The model as a description ([`ModelDescription`]): each rank builds only its own
+    /// stages, with the initial values [`init_seeded`](Self::init_seeded) gives the whole
+    /// model for `seed`.
+    pub fn described(&self, seed: u64) -> GptDescription {
+        GptDescription {
+            config: self.clone(),
+            seed,
+        }
+    }
+}
+
+/// A [`Gpt`] described, not built ([`GptConfig::described`]): the engine builds each rank's
+/// stages on the rank's device, drawing their layers' initial values one layer at a time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptDescription {
+    /// The model's shape.
+    pub config: GptConfig,
+    /// The seed of the initial values (see [`GptConfig::init_seeded`]).
+    pub seed: u64,
+}
+
+impl<B: FusedOps> ModelDescription<B> for GptDescription {
+    type Stage = GptStage<B>;
+
+    fn num_layers(&self) -> usize {
+        self.config.num_layers()
+    }
+
+    fn layer_costs(&self) -> Vec<f64> {
+        self.config.layer_costs()
+    }
+
+    fn build_stage(
+        &self,
+        layers: Range<usize>,
+        device: &B::Device,
+    ) -> Result<GptStage<B>, ModelError> {
+        let skeleton = self.config.stage_skeleton(layers.clone(), device)?;
+        build_seeded(layers, skeleton, |layer| {
+            self.config.draw_layer(self.seed, layer)
+        })
+    }
+
+    fn stage_skeleton(
+        &self,
+        layers: Range<usize>,
+        device: &B::Device,
+    ) -> Result<GptStage<B>, ModelError> {
+        self.config.stage_skeleton(layers, device)
     }
 }
 
@@ -407,6 +515,10 @@ impl<B: FusedOps> PipelineStage<B> for GptStage<B> {
     /// the token embedding's, whose gradient `I` computes anyway.
     fn splits_weight_grads(&self) -> bool {
         true
+    }
+
+    fn param_paths(&self) -> Result<Vec<String>, ModelError> {
+        Ok(model_paths(self, self.start.max(1) - 1))
     }
 
     fn forward(

@@ -23,6 +23,7 @@
 //! stage, and never share an autodiff node between threads. [`Gpt`] is the reference model.
 
 pub mod autodiff;
+mod describe;
 mod error;
 mod gpt;
 mod gpt_layers;
@@ -44,13 +45,20 @@ use burn::tensor::{Int, Tensor};
 pub(crate) use autodiff::{
     flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward, stage_backward,
 };
+pub use cubecl_kernels::FusedOps;
+pub(crate) use describe::CutFrom;
+pub use describe::{draw_layer, fill_params, layer_seed, ModelDescription, Whole};
 pub use error::ModelError;
-pub use gpt::{FusedMode, Gpt, GptConfig, GptStage};
+pub use gpt::{FusedMode, Gpt, GptConfig, GptDescription, GptStage};
+pub(crate) use params::model_paths;
 pub(crate) use params::param_ids;
-pub use params::{flatten_params, load_flat, materialize, param_shapes};
+pub use params::{flatten_params, load_flat, materialize, named_param_shapes, param_shapes};
 pub(crate) use params::{load_flat_shaped, recombine, release_params};
 pub(crate) use placement::{module_to_device, tensor_to_device};
-pub use stack::{LayerStack, StackBlock, StackHead, StackInput, StackStage};
+pub use stack::{
+    LayerStack, StackBlock, StackDescription, StackHead, StackInput, StackOf, StackParts,
+    StackStage,
+};
 
 /// Held while a model draws its initial parameters. Burn backends keep one process-wide
 /// random state (and [`GptConfig::init_seeded`] seeds it), so two threads building models at
@@ -63,7 +71,7 @@ pub(crate) fn random_init_lock() -> std::sync::MutexGuard<'static, ()> {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
-pub use split::{balanced_split, split_model, stage_costs, ModelSplit};
+pub use split::{balanced_split, split_described, split_model, stage_costs, ModelSplit};
 pub use split_linear::SplitLinear;
 
 /// The inputs of a micro-batch, consumed by the first stage.
@@ -223,6 +231,18 @@ pub trait PipelineStage<B: Backend>: Module<B> {
     /// fill the bubble with.
     fn splits_weight_grads(&self) -> bool {
         false
+    }
+
+    /// The module path, as the whole model names it, of every float parameter of this stage
+    /// in visit order: the names a weight file of the whole model (safetensors, a Burn
+    /// record) uses, by which a rank reads only its own stage's tensors. The stages of
+    /// [`Gpt`] and [`LayerStack`] give them; the default refuses, naming the fix.
+    fn param_paths(&self) -> Result<Vec<String>, ModelError> {
+        Err(ModelError::Params(format!(
+            "the stage of layers {:?} does not name its parameters as the whole model does; \
+             implement PipelineStage::param_paths to load weight files by name",
+            self.layers()
+        )))
     }
 
     /// Runs the stage. The first stage takes [`StageInput::Data`], the others

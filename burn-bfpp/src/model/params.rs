@@ -90,12 +90,63 @@ pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<Vec<usize>> {
     struct Shapes(Vec<Vec<usize>>);
     impl<B: Backend> ModuleVisitor<B> for Shapes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.val().dims().to_vec());
+            // The lazy shape: a parameter not yet initialised stays so (nothing drawn).
+            self.0.push(param.lazy_shape().to_vec());
         }
     }
     let mut shapes = Shapes(Vec::new());
     module.visit(&mut shapes);
     shapes.0
+}
+
+/// The module path (`blocks.0.attention.query.weight`, as Burn's records and burn-store name
+/// parameters) and shape of every float parameter of `module`, in the order of
+/// [`flatten_params`]. Parameters not yet initialised stay so.
+pub fn named_param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
+    struct Names {
+        path: Vec<String>,
+        out: Vec<(String, Vec<usize>)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Names {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.out
+                .push((self.path.join("."), param.lazy_shape().to_vec()));
+        }
+    }
+    let mut names = Names {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut names);
+    names.out
+}
+
+/// The paths of a stage's parameters as the whole model names them, for stages whose module
+/// holds the model's `blocks` vector from block `first_block` on (and the model's other
+/// fields under their own names): `blocks.{i}.…` becomes `blocks.{i + first_block}.…`.
+pub(crate) fn model_paths<B: Backend, M: Module<B>>(stage: &M, first_block: usize) -> Vec<String> {
+    named_param_shapes(stage)
+        .into_iter()
+        .map(|(path, _)| {
+            let mut parts = path.splitn(3, '.');
+            match (
+                parts.next(),
+                parts.next().map(str::parse::<usize>),
+                parts.next(),
+            ) {
+                (Some("blocks"), Some(Ok(i)), Some(rest)) => {
+                    format!("blocks.{}.{rest}", i + first_block)
+                }
+                _ => path,
+            }
+        })
+        .collect()
 }
 
 /// The [`burn::module::ParamId`] value of every float parameter of `module`, in the order of

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use burn::tensor::backend::Backend;
 
-use super::{ModelError, PipelineModel};
+use super::{ModelDescription, ModelError, PipelineModel};
 use crate::schedule::{split_layers, LayerSplit};
 
 /// How a model's layers are divided into stages. In configuration files: `"even"`,
@@ -73,23 +73,45 @@ pub fn split_model<B: Backend, M: PipelineModel<B>>(
     num_stages: usize,
     split: &ModelSplit,
 ) -> Result<Vec<Range<usize>>, ModelError> {
-    let num_layers = model.num_layers();
-    let by_count = |split: LayerSplit| {
-        split_layers(num_layers, num_stages, &split).map_err(|e| ModelError::Split(e.to_string()))
-    };
-    match split {
-        ModelSplit::Even => by_count(LayerSplit::Even),
-        ModelSplit::Explicit(counts) => by_count(LayerSplit::Explicit(counts.clone())),
-        ModelSplit::Balanced => {
-            let costs = model.layer_costs();
-            if costs.len() != num_layers {
-                return Err(ModelError::Split(format!(
-                    "the model reports {} layer costs for {num_layers} layers; \
-                     `layer_costs` must return one cost per layer",
-                    costs.len()
-                )));
+    split.ranges(model.num_layers(), || model.layer_costs(), num_stages)
+}
+
+/// The layer range of every stage of a described model for `num_stages` stages.
+pub fn split_described<B: Backend, M: ModelDescription<B>>(
+    model: &M,
+    num_stages: usize,
+    split: &ModelSplit,
+) -> Result<Vec<Range<usize>>, ModelError> {
+    split.ranges(model.num_layers(), || model.layer_costs(), num_stages)
+}
+
+impl ModelSplit {
+    /// The layer range of every stage for a model of `num_layers` layers whose costs
+    /// `costs` gives (asked for only by [`ModelSplit::Balanced`]).
+    fn ranges(
+        &self,
+        num_layers: usize,
+        costs: impl FnOnce() -> Vec<f64>,
+        num_stages: usize,
+    ) -> Result<Vec<Range<usize>>, ModelError> {
+        let by_count = |split: LayerSplit| {
+            split_layers(num_layers, num_stages, &split)
+                .map_err(|e| ModelError::Split(e.to_string()))
+        };
+        match self {
+            ModelSplit::Even => by_count(LayerSplit::Even),
+            ModelSplit::Explicit(counts) => by_count(LayerSplit::Explicit(counts.clone())),
+            ModelSplit::Balanced => {
+                let costs = costs();
+                if costs.len() != num_layers {
+                    return Err(ModelError::Split(format!(
+                        "the model reports {} layer costs for {num_layers} layers; \
+                         `layer_costs` must return one cost per layer",
+                        costs.len()
+                    )));
+                }
+                balanced_split(&costs, num_stages)
             }
-            balanced_split(&costs, num_stages)
         }
     }
 }

@@ -23,6 +23,16 @@
 //! module of one's own crate, so it implements these traits directly; burn-nn's layers, which
 //! Rust's orphan rule keeps a user from implementing our traits on, are covered above.
 //!
+//! The stack comes in two forms:
+//!
+//! * **Described** ([`StackParts`] → [`StackDescription`]): constructors of the input part,
+//!   of block `i` and of the head. The engine builds each rank's stages on the rank's device
+//!   from them and draws every layer's initial values from its own seed, so no process ever
+//!   holds a stage it does not run. This is the form for models of any size.
+//! * **Built** ([`LayerStack::new`]): the parts already built, cut into stages by cloning.
+//!   Every process holds the whole model first, so this form is for small models (and for
+//!   models whose parts come from elsewhere, e.g. a loaded record).
+//!
 //! What the adapter cannot give, and why the reference [`Gpt`](super::Gpt) has its own stage
 //! code: a head that shares a weight with the input part (a tied embedding cannot be split
 //! across stages), layer costs that differ by layer kind (for [`ModelSplit::Balanced`]; here
@@ -33,6 +43,7 @@
 
 use std::ops::Range;
 
+use burn::backend::Flex;
 use burn::module::{Module, ModuleDisplay};
 use burn::nn::attention::generate_autoregressive_mask;
 use burn::nn::loss::{CrossEntropyLossConfig, MseLoss, Reduction};
@@ -42,10 +53,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use cubecl_kernels::FusedOps;
 
+use super::describe::{build_seeded, draw_layer, ModelDescription};
 use super::split_linear::SplitLinear;
 use super::{
-    check_range, materialize, param_shapes, Inputs, ModelError, PipelineModel, PipelineStage,
-    StageInput, StageOutput, Targets,
+    check_range, materialize, model_paths, param_shapes, Inputs, ModelError, PipelineModel,
+    PipelineStage, StageInput, StageOutput, Targets,
 };
 
 /// The first part of a [`LayerStack`]: turns a micro-batch's inputs into activations
@@ -339,6 +351,10 @@ where
         self.head.as_ref().and_then(StackHead::classes)
     }
 
+    fn param_paths(&self) -> Result<Vec<String>, ModelError> {
+        Ok(model_paths(self, self.start.max(1) - 1))
+    }
+
     fn splits_weight_grads(&self) -> bool {
         self.input
             .as_ref()
@@ -382,5 +398,195 @@ where
             )),
             (None, _) => Ok(StageOutput::Hidden(x)),
         }
+    }
+}
+
+/// The parts of a [`LayerStack`] as constructors: the description form of the stack (see the
+/// [module docs](self)). Each constructor builds its part on the device it is given, for any
+/// backend; Burn's `Config::init` does exactly that, and leaves the parameters lazy, so
+/// building a stage's parts allocates nothing before their values are filled in.
+///
+/// ```
+/// use burn::backend::{Autodiff, Flex};
+/// use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
+/// use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+/// use burn_bfpp::model::{FusedOps, ModelDescription, StackParts};
+///
+/// struct Tiny;
+/// impl StackParts for Tiny {
+///     type Input<B: FusedOps> = Embedding<B>;
+///     type Block<B: FusedOps> = TransformerEncoderLayer<B>;
+///     type Head<B: FusedOps> = Linear<B>;
+///     fn num_blocks(&self) -> usize {
+///         4
+///     }
+///     fn input<B: FusedOps>(&self, device: &B::Device) -> Embedding<B> {
+///         EmbeddingConfig::new(64, 16).init(device)
+///     }
+///     fn block<B: FusedOps>(&self, _index: usize, device: &B::Device) -> TransformerEncoderLayer<B> {
+///         let config = TransformerEncoderConfig::new(16, 32, 2, 1).with_dropout(0.0);
+///         config.init::<B>(device).layers.remove(0)
+///     }
+///     fn head<B: FusedOps>(&self, device: &B::Device) -> Linear<B> {
+///         LinearConfig::new(16, 64).init(device)
+///     }
+/// }
+///
+/// type B = Autodiff<Flex>;
+/// let model = Tiny.described(7);
+/// assert_eq!(ModelDescription::<B>::num_layers(&model), 6);
+/// // The stage of layers 2..4 (blocks 1 and 2), built alone:
+/// let stage = ModelDescription::<B>::build_stage(&model, 2..4, &Default::default()).unwrap();
+/// ```
+pub trait StackParts {
+    /// The input part (layer 0).
+    type Input<B: FusedOps>: StackInput<B>;
+    /// A block (layers `1..=num_blocks`).
+    type Block<B: FusedOps>: StackBlock<B>;
+    /// The head (the last layer).
+    type Head<B: FusedOps>: StackHead<B>;
+
+    /// How many blocks the stack has (at least one).
+    fn num_blocks(&self) -> usize;
+
+    /// Builds the input part on `device`.
+    fn input<B: FusedOps>(&self, device: &B::Device) -> Self::Input<B>;
+
+    /// Builds block `index` (`0..num_blocks`) on `device`.
+    fn block<B: FusedOps>(&self, index: usize, device: &B::Device) -> Self::Block<B>;
+
+    /// Builds the head on `device`.
+    fn head<B: FusedOps>(&self, device: &B::Device) -> Self::Head<B>;
+
+    /// The stack described by these parts, its initial values drawn from `seed` (see
+    /// [`StackDescription`]).
+    fn described(self, seed: u64) -> StackDescription<Self>
+    where
+        Self: Sized,
+    {
+        StackDescription { parts: self, seed }
+    }
+}
+
+/// The built [`LayerStack`] of the parts `P` on backend `B`.
+pub type StackOf<B, P> = LayerStack<
+    B,
+    <P as StackParts>::Input<B>,
+    <P as StackParts>::Block<B>,
+    <P as StackParts>::Head<B>,
+>;
+
+/// A [`LayerStack`] described by its [`StackParts`]: the engine builds each rank's stages on
+/// the rank's device. Layer `l` (the input part is layer 0, block `i` layer `i + 1`, the head
+/// the last) takes its initial values from a draw on the CPU seeded by
+/// [`layer_seed`](super::layer_seed)`(seed, l)`, so every layout, backend and rank mode starts
+/// from the same model, the one [`StackDescription::build`] returns whole.
+#[derive(Debug, Clone)]
+pub struct StackDescription<P> {
+    /// The constructors of the parts.
+    pub parts: P,
+    /// The seed of the initial values.
+    pub seed: u64,
+}
+
+impl<P: StackParts> StackDescription<P> {
+    fn checked_blocks(&self) -> Result<usize, ModelError> {
+        match self.parts.num_blocks() {
+            0 => Err(ModelError::Split(
+                "a layer stack needs at least one block between its input part and its head;                  make num_blocks return at least 1"
+                    .into(),
+            )),
+            n => Ok(n),
+        }
+    }
+
+    /// The initial values of layer `layer`, drawn on the CPU from its own seed.
+    fn draw(&self, layer: usize) -> Result<Vec<burn::tensor::TensorData>, ModelError> {
+        let head = self.checked_blocks()? + 1;
+        let parts = &self.parts;
+        match layer {
+            0 => draw_layer(self.seed, layer, |cpu| Ok(parts.input::<Flex>(cpu))),
+            l if l == head => draw_layer(self.seed, layer, |cpu| Ok(parts.head::<Flex>(cpu))),
+            l if l < head => {
+                draw_layer(self.seed, layer, |cpu| Ok(parts.block::<Flex>(l - 1, cpu)))
+            }
+            _ => Err(ModelError::Split(format!(
+                "layer {layer} is outside the stack's layers 0..{}",
+                head + 1
+            ))),
+        }
+    }
+
+    /// The whole stack, built on `device` with the initial values every stage of the
+    /// description starts from: the single-device model of the same run (plain Burn, or the
+    /// reference a pipelined run is compared with). It holds the whole model, as any built
+    /// [`LayerStack`] does.
+    pub fn build<B: FusedOps>(&self, device: &B::Device) -> Result<StackOf<B, P>, ModelError> {
+        let n = self.checked_blocks()?;
+        let skeleton = LayerStack {
+            input: self.parts.input::<B>(device),
+            blocks: (0..n).map(|i| self.parts.block::<B>(i, device)).collect(),
+            head: self.parts.head::<B>(device),
+            _backend: std::marker::PhantomData,
+        };
+        build_seeded(0..n + 2, skeleton, |layer| self.draw(layer))
+    }
+}
+
+impl<B: FusedOps, P: StackParts> ModelDescription<B> for StackDescription<P> {
+    type Stage = StackStage<B, P::Input<B>, P::Block<B>, P::Head<B>>;
+
+    fn num_layers(&self) -> usize {
+        self.parts.num_blocks() + 2
+    }
+
+    /// Parameters per layer, counted on parts built with lazy parameters (nothing drawn):
+    /// each block by its own count, the input part and the head at least a tenth of the
+    /// first block's.
+    fn layer_costs(&self) -> Vec<f64> {
+        let cpu = Default::default();
+        let count = |shapes: Vec<Vec<usize>>| -> usize {
+            shapes.iter().map(|s| s.iter().product::<usize>()).sum()
+        };
+        let blocks: Vec<f64> = (0..self.parts.num_blocks())
+            .map(|i| count(param_shapes(&self.parts.block::<Flex>(i, &cpu))) as f64)
+            .collect();
+        let unit = blocks.first().copied().unwrap_or(1.0).max(1.0);
+        let part = |n: usize| (n as f64 / unit).max(0.1);
+        let mut costs = vec![part(count(param_shapes(&self.parts.input::<Flex>(&cpu))))];
+        costs.extend(blocks.iter().map(|&b| b / unit));
+        costs.push(part(count(param_shapes(&self.parts.head::<Flex>(&cpu)))));
+        costs
+    }
+
+    fn build_stage(
+        &self,
+        layers: Range<usize>,
+        device: &B::Device,
+    ) -> Result<Self::Stage, ModelError> {
+        let skeleton = self.stage_skeleton(layers.clone(), device)?;
+        build_seeded(layers, skeleton, |layer| self.draw(layer))
+    }
+
+    fn stage_skeleton(
+        &self,
+        layers: Range<usize>,
+        device: &B::Device,
+    ) -> Result<Self::Stage, ModelError> {
+        let n = self.checked_blocks()? + 2;
+        check_range(&layers, n)?;
+        let head_layer = n - 1;
+        let blocks = layers.start.max(1) - 1..layers.end.min(head_layer) - 1;
+        Ok(StackStage {
+            input: layers.contains(&0).then(|| self.parts.input::<B>(device)),
+            blocks: blocks.map(|i| self.parts.block::<B>(i, device)).collect(),
+            head: layers
+                .contains(&head_layer)
+                .then(|| self.parts.head::<B>(device)),
+            start: layers.start,
+            end: layers.end,
+            num_layers: n,
+            _backend: std::marker::PhantomData,
+        })
     }
 }

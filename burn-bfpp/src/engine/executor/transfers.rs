@@ -145,12 +145,14 @@ where
             self.received(action, tensor);
         }
         let end = self.epoch.elapsed().as_secs_f64();
-        self.events.extend(actions.iter().map(|&action| TimedEvent {
-            step,
-            action,
-            start,
-            end,
-        }));
+        for &action in actions {
+            self.recorder.record(TimedEvent {
+                step,
+                action,
+                start,
+                end,
+            });
+        }
         Ok(())
     }
 }
