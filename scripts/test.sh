@@ -93,8 +93,8 @@ eval "$nvrtc_env"
 bounded_test 1200 -p cubecl-kernels --features cuda --test cuda_codegen --test fused_defaults
 
 # Ranks as separate processes under `mpirun -np 4` (OpenMPI from the system packages).
-stage "ranks as MPI processes (process_ranks, mpi_bubble, launch_cli, process_checkpoint_cli)"
+stage "ranks as MPI processes (process_ranks, mpi_bubble, launch_cli, process_checkpoint_cli, memory_cli)"
 bounded_test 900 -p burn-bfpp --features mpi --test process_ranks --test mpi_bubble
-bounded_test 900 --features mpi --test launch_cli --test process_checkpoint_cli
+bounded_test 900 --features mpi --test launch_cli --test process_checkpoint_cli --test memory_cli
 
 stage "done: every test stage passed"

@@ -334,3 +334,31 @@ fn zero3_holds_fewer_parameter_bytes_than_zero1() {
         );
     }
 }
+
+#[test]
+fn zero3_at_pp2_dp2_holds_a_quarter_of_the_model_at_rest() {
+    // Two pipeline ranks of one stage each, two replicas: at rest a rank holds its half of
+    // its stage (a quarter of the model, as even as the split is), and at its peak that plus
+    // its one stage gathered for compute.
+    let base = model();
+    let cfg = config(ScheduleKind::BreadthFirst, 2, 1, 2, ZeroLevel::Zero3);
+    let peaks = train_for(&base, &cfg, 1).expect("runs").peak_param_bytes;
+    let stages = base
+        .stages(&burn_bfpp::model::split_model(&base, 2, &ModelSplit::Even).expect("splits"))
+        .expect("stages");
+    let sizes: Vec<usize> = stages.iter().map(|s| s.num_params() * 4).collect();
+    let model_bytes: usize = sizes.iter().sum();
+    let mut at_rest = Vec::new();
+    for (rank, &peak) in peaks.iter().enumerate() {
+        let stage = sizes[rank % 2];
+        let shard = (stage / 4).div_ceil(2) * 4;
+        assert_eq!(peak, shard + stage, "rank {rank}: its shard and one gathered stage");
+        at_rest.push(shard);
+    }
+    let mean = at_rest.iter().sum::<usize>() as f64 / at_rest.len() as f64;
+    let quarter = model_bytes as f64 / 4.0;
+    assert!(
+        (mean - quarter).abs() <= 4.0,
+        "at rest {at_rest:?} bytes per rank, a quarter of {model_bytes} is {quarter}"
+    );
+}

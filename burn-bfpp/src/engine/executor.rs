@@ -12,14 +12,14 @@ use burn::tensor::{DType, Tensor};
 
 use super::nonfinite::NonFinitePolicy;
 use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
-use super::stage::{in_dtype, pad, LocalStage};
+use super::stage::{in_dtype, LocalStage};
 use super::timeline::Recorder;
 use super::{EngineError, StepCounts};
 use crate::comm::{Communicator, Group};
 use crate::host_read;
 use crate::model::{
-    flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward, release_params,
-    stage_backward, MicroBatch, PipelineStage, StageInput, StageOutput, Targets,
+    fresh_leaves, input_grad, input_leaf, loss_backward, release_params, stage_backward,
+    MicroBatch, PipelineStage, StageInput, StageOutput, Targets,
 };
 use crate::schedule::TimedEvent;
 use crate::schedule::{Action, ActionKind, ZeroLevel};
@@ -499,9 +499,11 @@ where
         };
         // Input gradients travel in the compute dtype, like the activations.
         let in_grad = leaf.as_ref().map(|leaf| input_grad(leaf, &grads));
-        let flat = flatten_grads(&module, &grads);
-        drop((grads, output, leaf, module));
-        self.accumulate_grads(s, flat)?;
+        drop((output, leaf));
+        let factor = self.grad_factor();
+        let mut grads = grads;
+        self.stage_mut(s)?.accumulate(&module, &mut grads, factor);
+        drop((grads, module));
         if let Some(g) = in_grad {
             if local_prev {
                 self.out_grads.insert((s - 1, m), g);
@@ -523,30 +525,18 @@ where
         if deferred.is_empty() {
             return Ok(());
         }
-        let stage = self.stage_mut(s)?;
-        let flat = stage.weight_grads_flat(deferred)?;
-        self.accumulate_grads(s, flat)
+        let factor = self.grad_factor();
+        self.stage_mut(s)?.accumulate_deferred(deferred, factor)
     }
 
-    /// Adds one backward's flat gradient (the module's parameter layout, compute dtype, loss
-    /// scale still in it) to stage `s`'s open window, in fp32.
-    fn accumulate_grads(&mut self, s: usize, flat: Tensor<Inner<B>, 1>) -> Result<(), EngineError> {
-        let loss_scale = self.scaler.scale;
-        let poison = self.poison;
-        let stage = self.stage_mut(s)?;
-        let mut flat = in_dtype(flat, DType::F32);
-        if loss_scale != 1.0 {
-            flat = flat.mul_scalar(1.0 / loss_scale);
+    /// What every gradient is multiplied by on its way into a stage's window: the inverse
+    /// loss scale (1 unless f16), or NaN in a step with an injected non-finite fault.
+    fn grad_factor(&self) -> f64 {
+        if self.poison {
+            f64::NAN
+        } else {
+            1.0 / self.scaler.scale
         }
-        let mut flat = pad(flat, stage.layout.padded);
-        if poison {
-            flat = flat.mul_scalar(f32::NAN);
-        }
-        stage.grad_window = Some(match stage.grad_window.take() {
-            Some(acc) => acc + flat,
-            None => flat,
-        });
-        Ok(())
     }
 
     /// Runs `work` on behalf of `action` of `step`: its time goes into the timeline under
@@ -579,7 +569,11 @@ where
     /// model can be assembled; without, the stages stay as they are and nothing is gathered
     /// (a rank of a model larger than one process keeps its own share only).
     pub(crate) fn finish(mut self, hand_back: bool) -> Result<Finished<S>, EngineError> {
-        let param_sq = self.param_sq()?;
+        let param_sq = self
+            .stages
+            .iter()
+            .map(LocalStage::param_sq)
+            .sum::<Result<f64, _>>()?;
         let indices: Vec<usize> = self.stages.iter().map(|s| s.index).collect();
         // Gathering everything for the hand-back is not part of training's footprint.
         let peak = self.peak_param_bytes;
@@ -587,12 +581,13 @@ where
         if hand_back {
             for s in indices {
                 let stage = self.stage_mut(s)?;
-                let full = if stage.layout.sharded {
-                    comm.all_gather(Group::DataParallel, stage.owned.clone())?
+                if stage.layout.sharded {
+                    let shard = stage.shard_to_gather_as(DType::F32)?;
+                    let full = comm.all_gather(Group::DataParallel, shard)?;
+                    stage.refill_as(full, DType::F32)?;
                 } else {
-                    stage.owned.clone()
-                };
-                stage.refill_as(full, DType::F32)?;
+                    stage.refill_from_master_as(DType::F32)?;
+                }
             }
         }
         self.peak_param_bytes = peak;
@@ -609,27 +604,5 @@ where
             peak_param_bytes: self.peak_param_bytes,
             param_sq,
         })
-    }
-
-    /// See [`Finished::param_sq`]: each kept shard is read to the host (one at a time) and
-    /// summed in f64, so the figure does not depend on how the model is sharded.
-    fn param_sq(&self) -> Result<f64, EngineError> {
-        let mut sum = 0.0;
-        for stage in &self.stages {
-            if !stage.layout.sharded && self.dp_index != 0 {
-                continue;
-            }
-            let failed = |e: String| EngineError::Config(format!("stage {}: {e}", stage.index));
-            let values = host_read::read(stage.owned.clone(), host_read::ReadPurpose::Sync)
-                .map_err(|e| failed(format!("{e:?}")))?
-                .convert::<f32>()
-                .into_vec::<f32>()
-                .map_err(|e| failed(format!("{e:?}")))?;
-            sum += values
-                .iter()
-                .map(|&x| f64::from(x) * f64::from(x))
-                .sum::<f64>();
-        }
-        Ok(sum)
     }
 }

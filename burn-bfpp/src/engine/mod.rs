@@ -12,6 +12,7 @@ mod config;
 mod data;
 mod error;
 mod executor;
+mod master;
 mod multiprocess;
 mod nonfinite;
 mod precision;

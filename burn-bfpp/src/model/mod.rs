@@ -43,7 +43,7 @@ use burn::tensor::{Int, Tensor};
 
 // The engine's autodiff and parameter plumbing: internal, the executor is their only user.
 pub(crate) use autodiff::{
-    flatten_grads, fresh_leaves, input_grad, input_leaf, loss_backward, stage_backward,
+    fresh_leaves, input_grad, input_leaf, loss_backward, stage_backward,
 };
 pub use cubecl_kernels::FusedOps;
 pub(crate) use describe::CutFrom;

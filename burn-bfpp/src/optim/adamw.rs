@@ -168,13 +168,16 @@ impl AdamWSettings {
 ///
 /// Holds the two moment buffers of the shard (the ZeRO-1 optimizer state) and the number of
 /// steps taken; all parameters of the shard share one step counter, as they all receive a
-/// gradient every step. Works on plain backend tensors (no autodiff).
+/// gradient every step. Works on plain backend tensors (no autodiff). The moments are
+/// allocated by the first step, as Burn's optimizer allocates its state, so a run's memory
+/// before its first update is the parameters' and the gradients' alone.
 #[derive(Debug, Clone)]
 pub struct ShardOptimizer<B: Backend> {
     settings: AdamWSettings,
     len: usize,
-    moment_1: Tensor<B, 1>,
-    moment_2: Tensor<B, 1>,
+    device: B::Device,
+    /// `(m, v)`, from the first step on.
+    moments: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
     steps: usize,
 }
 
@@ -187,8 +190,8 @@ impl<B: Backend> ShardOptimizer<B> {
         ShardOptimizer {
             settings,
             len,
-            moment_1: Tensor::zeros([len], device),
-            moment_2: Tensor::zeros([len], device),
+            device: device.clone(),
+            moments: None,
             steps: 0,
         }
     }
@@ -208,8 +211,8 @@ impl<B: Backend> ShardOptimizer<B> {
         Ok(ShardOptimizer {
             settings,
             len,
-            moment_1,
-            moment_2,
+            device: moment_1.device(),
+            moments: (steps > 0).then_some((moment_1, moment_2)),
             steps,
         })
     }
@@ -236,13 +239,19 @@ impl<B: Backend> ShardOptimizer<B> {
     }
 
     /// The first moment `m` (zeros before the first step).
-    pub fn first_moment(&self) -> &Tensor<B, 1> {
-        &self.moment_1
+    pub fn first_moment(&self) -> Tensor<B, 1> {
+        match &self.moments {
+            Some((m, _)) => m.clone(),
+            None => Tensor::zeros([self.len], &self.device),
+        }
     }
 
     /// The second moment `v` (zeros before the first step).
-    pub fn second_moment(&self) -> &Tensor<B, 1> {
-        &self.moment_2
+    pub fn second_moment(&self) -> Tensor<B, 1> {
+        match &self.moments {
+            Some((_, v)) => v.clone(),
+            None => Tensor::zeros([self.len], &self.device),
+        }
     }
 
     /// One AdamW step with learning rate `lr` (this step's value from the schedule): returns
@@ -257,6 +266,21 @@ impl<B: Backend> ShardOptimizer<B> {
         param: Tensor<B, 1>,
         grad: Tensor<B, 1>,
     ) -> Result<Tensor<B, 1>, OptimError> {
+        self.step_clipped(lr, param, grad, 1.0)
+    }
+
+    /// [`Self::step`] with the gradient first scaled by `coefficient` (the global-norm
+    /// clipping factor, [`super::clip_grad`]'s operation). Every operation consumes the
+    /// buffer it writes where nothing else holds it (the parameters, the moments, the
+    /// gradient), so a backend that updates such buffers in place (Burn's CPU backend does)
+    /// allocates only the two bias-corrected moments.
+    pub fn step_clipped(
+        &mut self,
+        lr: f64,
+        param: Tensor<B, 1>,
+        grad: Tensor<B, 1>,
+        coefficient: f64,
+    ) -> Result<Tensor<B, 1>, OptimError> {
         check_len("the parameter shard", self.len, &param)?;
         check_len("the gradient shard", self.len, &grad)?;
         if !lr.is_finite() {
@@ -270,27 +294,21 @@ impl<B: Backend> ShardOptimizer<B> {
             epsilon,
             weight_decay,
         } = self.settings;
+        let grad = super::clip_grad(grad, coefficient);
 
         // Moments (transform, adamw.rs:158–199). The first step uses Burn's initialising
         // branch rather than `0·β + g·f`, which is the same value but not the same operations.
         let factor_1 = 1.0 - beta1;
         let factor_2 = 1.0 - beta2;
-        let (moment_1, moment_2) = if self.steps == 0 {
-            (
+        let (moment_1, moment_2) = match self.moments.take() {
+            Some((m, v)) if self.steps > 0 => (
+                m.mul_scalar(beta1).add(grad.clone().mul_scalar(factor_1)),
+                v.mul_scalar(beta2).add(grad.square().mul_scalar(factor_2)),
+            ),
+            _ => (
                 grad.clone().mul_scalar(factor_1),
                 grad.square().mul_scalar(factor_2),
-            )
-        } else {
-            (
-                self.moment_1
-                    .clone()
-                    .mul_scalar(beta1)
-                    .add(grad.clone().mul_scalar(factor_1)),
-                self.moment_2
-                    .clone()
-                    .mul_scalar(beta2)
-                    .add(grad.square().mul_scalar(factor_2)),
-            )
+            ),
         };
         self.steps += 1;
         // Burn converts its `usize` counter with `as i32`; beyond i32::MAX steps the powers
@@ -301,8 +319,7 @@ impl<B: Backend> ShardOptimizer<B> {
         let moment_1_corrected = moment_1.clone().div_scalar(1f32 - beta1.powi(time));
         let moment_2_corrected = moment_2.clone().div_scalar(1f32 - beta2.powi(time));
         let update_delta = moment_1_corrected.div(moment_2_corrected.sqrt().add_scalar(epsilon));
-        self.moment_1 = moment_1;
-        self.moment_2 = moment_2;
+        self.moments = Some((moment_1, moment_2));
 
         // Decoupled weight decay on the pre-update parameters, then the update (adamw.rs:83–100).
         let decay_rate = lr * (weight_decay as f64);

@@ -15,7 +15,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::*;
-use crate::model::{flatten_grads, flatten_params, load_flat};
+use crate::model::autodiff::flatten_grads;
+use crate::model::{flatten_params, load_flat};
 
 type B = Autodiff<Flex>;
 type Inner = Flex;

@@ -5,7 +5,7 @@
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 
-use super::super::stage::in_dtype;
+use super::super::master::Reduced;
 use super::super::EngineError;
 use super::{Inner, RankExecutor};
 use crate::comm::{Collective, Communicator, Group, Pending, ReduceOp};
@@ -31,8 +31,7 @@ where
     /// is bitwise the same as after it.
     pub(super) fn unshard(&mut self, s: usize) -> Result<(), EngineError> {
         let comm = self.comm;
-        let stage = self.stage_mut(s)?;
-        let shard = in_dtype(stage.owned.clone(), stage.compute);
+        let shard = self.stage_mut(s)?.shard_to_gather()?;
         let pending = comm.start(Collective::AllGather {
             group: Group::DataParallel,
             shard,
@@ -42,15 +41,16 @@ where
 
     /// Starts the reduction of the gradients accumulated since the last reduction:
     /// all-reduce at ZeRO-0, reduce-scatter into the owned shard above; the mean over the
-    /// data-parallel group.
+    /// data-parallel group. An unsharded stage without data-parallel peers keeps its
+    /// gradients as they are, one per parameter: the mean over one rank is the identity.
     pub(super) fn reduce_grad(&mut self, s: usize) -> Result<(), EngineError> {
         let comm = self.comm;
         let stage = self.stage_mut(s)?;
-        let tensor = stage.grad_window.take().ok_or(EngineError::Missing {
-            what: "accumulated gradient",
-            stage: s,
-            microbatch: 0,
-        })?;
+        if !stage.layout.sharded && stage.layout.dp == 1 {
+            let own = stage.take_window_params();
+            return stage.add_reduced(own);
+        }
+        let tensor = stage.take_window_flat();
         let (group, op) = (Group::DataParallel, ReduceOp::Mean);
         let pending = comm.start(if stage.layout.sharded {
             Collective::ReduceScatter { group, tensor, op }
@@ -84,10 +84,7 @@ where
             stage.gathered = true;
             self.note_memory();
         } else {
-            stage.grad_owned = Some(match stage.grad_owned.take() {
-                Some(acc) => acc + result,
-                None => result,
-            });
+            stage.add_reduced(Reduced::Flat(result))?;
         }
         Ok(())
     }

@@ -12,7 +12,7 @@ use super::{Inner, RankExecutor};
 use crate::comm::{Communicator, Group, ReduceOp};
 use crate::host_read::{read, ReadPurpose};
 use crate::model::PipelineStage;
-use crate::optim::{clip_coefficient, clip_grad, sq_norm_on_device};
+use crate::optim::clip_coefficient;
 use crate::schedule::ZeroLevel;
 
 impl<B, S, C> RankExecutor<'_, B, S, C>
@@ -31,9 +31,9 @@ where
         let device = self.comm.device().clone();
         let mut table = Tensor::<Inner<B>, 1>::zeros([layout.len()], &device);
         for stage in &self.stages {
-            if let Some(grad) = &stage.grad_owned {
+            if let Some(grad) = &stage.reduced {
                 let slot = layout.sq_slot(self.dp_index, stage.index);
-                table = table.slice_assign(slot..slot + 1, sq_norm_on_device(grad));
+                table = table.slice_assign(slot..slot + 1, grad.sq_norm(&device));
             }
         }
         if let Some(loss) = self.loss_sum.take() {
@@ -87,19 +87,7 @@ where
         self.scaler.good();
         let coefficient = clip_coefficient(summary.total_sq, self.settings.max_grad_norm);
         for stage in &mut self.stages {
-            let grad = stage.grad_owned.take().ok_or(EngineError::Missing {
-                what: "reduced gradient",
-                stage: stage.index,
-                microbatch: 0,
-            })?;
-            let grad = clip_grad(grad, coefficient);
-            stage.owned = stage
-                .optimizer
-                .step(lr, stage.owned.clone(), grad)
-                .map_err(|e| EngineError::Optimizer(e.to_string()))?;
-            if !stage.layout.sharded {
-                stage.refill(stage.owned.clone())?;
-            }
+            stage.update(lr, coefficient)?;
         }
         Ok(false)
     }
@@ -116,7 +104,7 @@ where
             NonFinitePolicy::Stop => Err(EngineError::NonFinite { step, rank, report }),
             NonFinitePolicy::Skip => {
                 for stage in &mut self.stages {
-                    stage.grad_owned = None;
+                    stage.reduced = None;
                 }
                 // Every rank knows; one says it.
                 if rank == 0 {
@@ -132,7 +120,7 @@ where
     /// working of dynamic loss scaling, not a divergence). Returns that the update was skipped.
     fn overflow_step(&mut self, step: usize, report: NonFiniteReport) -> bool {
         for stage in &mut self.stages {
-            stage.grad_owned = None;
+            stage.reduced = None;
         }
         let old = self.scaler.scale;
         self.scaler.overflow();

@@ -8,6 +8,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
+use super::autodiff::flatten_grads;
 use super::*;
 
 type B = Autodiff<Flex>;
