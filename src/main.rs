@@ -175,7 +175,11 @@ fn main() -> ExitCode {
         Command::Train(args) => cli::train::run(&args),
         #[cfg(feature = "flex")]
         Command::Export(args) => cli::checkpoint::export(&args)
-            .map(|out| eprintln!("wrote {}", out.display()))
+            .map(|files| {
+                for file in files {
+                    eprintln!("wrote {}", file.display());
+                }
+            })
             .map_err(CliError::from),
         Command::Schedule(args) => run_schedule(&args),
         Command::Validate(args) => run_validate(&args),

@@ -359,3 +359,90 @@ fn safetensors_export_loads_into_plain_burn_inits_like_the_record_and_refuses_ot
         );
     }
 }
+
+#[test]
+fn a_per_stage_export_loads_into_plain_burn_and_inits_a_run_like_one_file() {
+    // Saved at pp=2 loops=2 (4 stages): four files and their index.
+    let scratch = temp_dir("per-stage");
+    let dir = scratch.path();
+    let run = dir.join("run");
+    let run_s = run.to_str().expect("utf-8");
+    json_of(&train(
+        dir,
+        &["--pp", "2", "--loops", "2", "--steps", "2", "--save", run_s],
+    ));
+    let one = dir.join("one.safetensors");
+    let sharded = dir.join("sharded").join("model.safetensors");
+    std::fs::create_dir_all(sharded.parent().expect("a folder")).expect("creates");
+    for (file, extra) in [(&one, None), (&sharded, Some("--per-stage"))] {
+        let mut args = vec![
+            "export",
+            "--checkpoint",
+            run_s,
+            "--out",
+            file.to_str().expect("utf-8"),
+        ];
+        args.extend(extra);
+        let out = bfpp(&args);
+        assert!(out.status.success(), "export failed: {}", stderr(&out));
+    }
+    let folder = sharded.parent().expect("a folder");
+    let index = folder.join("model.safetensors.index.json");
+    let shards: Vec<_> = (1..=4)
+        .map(|i| folder.join(format!("model-{i:05}-of-00004.safetensors")))
+        .collect();
+    assert!(index.is_file() && shards.iter().all(|s| s.is_file()));
+    let map: Value = serde_json::from_str(&std::fs::read_to_string(&index).expect("reads"))
+        .expect("the index is JSON");
+    let weight_map = map["weight_map"].as_object().expect("a weight map");
+
+    // Plain Burn loads the shards by name, each file a part; together they are the model.
+    let loaded = load(&run).expect("newest checkpoint");
+    let config: GptConfig = serde_json::from_value(loaded.manifest.model.clone()).expect("gpt");
+    let mut model = config
+        .init_seeded::<B>(999, &Default::default())
+        .expect("model");
+    let mut applied = Vec::new();
+    for shard in &shards {
+        let mut store = SafetensorsStore::from_file(shard).allow_partial(true);
+        let result = model.load_from(&mut store).expect("loads");
+        assert!(
+            result.errors.is_empty() && result.unused.is_empty(),
+            "{result}"
+        );
+        let name = shard.file_name().and_then(|n| n.to_str()).expect("utf-8");
+        for tensor in &result.applied {
+            assert_eq!(weight_map[tensor].as_str(), Some(name), "{tensor}");
+        }
+        applied.extend(result.applied);
+    }
+    applied.sort();
+    let mut names: Vec<String> = param_entries(&model).into_iter().map(|p| p.name).collect();
+    names.sort();
+    assert_eq!(applied, names, "every parameter in exactly one shard");
+    assert_eq!(weight_map.len(), names.len());
+    let flat = flatten_params::<B, Gpt<B>>(&model)
+        .into_data()
+        .to_vec::<f32>()
+        .expect("f32");
+    assert_eq!(flat, consolidate(&loaded).expect("consolidates").params);
+
+    // --init from the index trains exactly as --init from the one file.
+    let init = |file: &Path| {
+        json_of(&train(
+            dir,
+            &["--steps", "2", "--init", file.to_str().expect("utf-8")],
+        ))
+    };
+    let (a, b) = (init(&one), init(&index));
+    assert_eq!(losses(&a), losses(&b));
+    // A shard gone from the set is named before training.
+    std::fs::remove_file(&shards[2]).expect("removes");
+    let out = train(
+        dir,
+        &["--steps", "1", "--init", index.to_str().expect("utf-8")],
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("model-00003-of-00004.safetensors"), "{err}");
+}

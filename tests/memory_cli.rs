@@ -71,9 +71,7 @@ fn mib(bytes: u64) -> f64 {
 #[test]
 fn one_rank_holds_at_most_1_3_times_plain_burns_memory() {
     let steps = ["--steps", "2", "--pp", "1", "--dp", "1"];
-    let args = |extra: &[&'static str]| -> Vec<&'static str> {
-        [BIG, &steps[..], extra].concat()
-    };
+    let args = |extra: &[&'static str]| -> Vec<&'static str> { [BIG, &steps[..], extra].concat() };
     let engine = peak_rss(None, "engine", &args(&[]))[0];
     let plain = peak_rss(None, "plain", &args(&["--plain-burn"]))[0];
     let ratio = engine as f64 / plain as f64;
@@ -84,7 +82,10 @@ fn one_rank_holds_at_most_1_3_times_plain_burns_memory() {
     );
     // The model alone is 705 MB: both runs hold it, its gradients and AdamW's moments.
     assert!(plain > 2_000_000_000, "plain Burn {:.0} MiB", mib(plain));
-    assert!(ratio <= 1.3, "the engine holds {ratio:.3}× plain Burn's memory");
+    assert!(
+        ratio <= 1.3,
+        "the engine holds {ratio:.3}× plain Burn's memory"
+    );
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -102,7 +103,10 @@ fn a_long_run_keeps_flat_memory() {
         mib(short),
         mib(long)
     );
-    assert!(ratio <= 1.10, "memory grew {ratio:.3}× from 50 to 400 steps");
+    assert!(
+        ratio <= 1.10,
+        "memory grew {ratio:.3}× from 50 to 400 steps"
+    );
 }
 
 #[cfg(feature = "mpi")]

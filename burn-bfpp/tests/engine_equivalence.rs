@@ -352,7 +352,11 @@ fn zero3_at_pp2_dp2_holds_a_quarter_of_the_model_at_rest() {
     for (rank, &peak) in peaks.iter().enumerate() {
         let stage = sizes[rank % 2];
         let shard = (stage / 4).div_ceil(2) * 4;
-        assert_eq!(peak, shard + stage, "rank {rank}: its shard and one gathered stage");
+        assert_eq!(
+            peak,
+            shard + stage,
+            "rank {rank}: its shard and one gathered stage"
+        );
         at_rest.push(shard);
     }
     let mean = at_rest.iter().sum::<usize>() as f64 / at_rest.len() as f64;

@@ -12,17 +12,17 @@ use burn::module::Module;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::{Tensor, TensorData};
 use burn_bfpp::checkpoint::{
-    self, load, manifest_template, param_entries, resume_states, stage_numels, CheckpointError,
-    DirSink, SafetensorsInit,
+    self, export_safetensors, manifest_template, param_entries, stage_numels, CheckpointError,
+    CheckpointReader, DirResume, DirSink, SafetensorsInit, Sharding, Vector,
 };
 use burn_bfpp::data::{Batcher, DataError};
-use burn_bfpp::engine::{RankState, TrainConfig};
+use burn_bfpp::engine::TrainConfig;
 use burn_bfpp::model::{
     load_flat, named_param_shapes, Gpt, GptConfig, GptDescription, GptStage, ModelDescription,
     ModelError, Whole,
 };
 use burn_bfpp::schedule::PipelineSchedule;
-use burn_store::{ModuleSnapshot, SafetensorsStore};
+
 use clap::Args;
 
 use super::backend::CliBackend;
@@ -65,7 +65,9 @@ pub struct CheckpointArgs {
     )]
     pub resume: Option<PathBuf>,
     /// Start from the weights of a file written by `bfpp export`: a Burn record (.mpk) or,
-    /// by its extension, safetensors (.safetensors) with the model's module paths as names.
+    /// by its extension, safetensors (.safetensors, or a sharded set's
+    /// `.safetensors.index.json`) with the model's module paths as names; from safetensors
+    /// each rank reads only its own stages' tensors.
     #[arg(long, value_name = "FILE", help_heading = "Checkpoints")]
     pub init: Option<PathBuf>,
 }
@@ -74,8 +76,9 @@ pub struct CheckpointArgs {
 pub struct Prepared<'a, B: CliBackend> {
     /// The model to train, described: every rank builds its own stages from it.
     pub model: CliModel<B>,
-    /// Every rank's state to start from (empty: fresh optimizer state).
-    pub resume: Vec<RankState>,
+    /// The checkpoint to continue from, resharded for this run as each rank reads its own
+    /// shards (`None`: a fresh start).
+    pub resume: Option<DirResume>,
     /// Where to save, if anywhere.
     pub sink: Option<DirSink<'a>>,
 }
@@ -153,11 +156,11 @@ pub fn prepare<'a, B: CliBackend>(
     if let Some(file) = &args.init {
         model = match WeightFormat::of_path(file) {
             WeightFormat::Mpk => {
-                if let Err(source) = std::fs::metadata(file) {
-                    return Err(TrainError::Read {
-                        path: file.clone(),
-                        source,
-                    });
+                // The recorder reads the name with the `.mpk` extension: a missing file is
+                // reported as missing, not as a record of another model.
+                let read = file.with_extension("mpk");
+                if let Err(source) = std::fs::metadata(&read) {
+                    return Err(TrainError::Read { path: read, source });
                 }
                 let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
                 let whole = model_cfg
@@ -180,31 +183,34 @@ pub fn prepare<'a, B: CliBackend>(
             )?),
         };
     }
-    let mut resume = Vec::new();
+    let mut resume = None;
     let mut start = 0;
     if let Some(path) = &args.resume {
-        let loaded = load(path)?;
-        if let Some(saved) = &loaded.manifest.data {
+        // Only the manifest is read here; each rank reads its own shards when it starts.
+        let reader = CheckpointReader::open(path)?;
+        let manifest = reader.manifest();
+        if let Some(saved) = &manifest.data {
             let next = batcher.resume(saved)?;
-            if next != loaded.manifest.step as u64 {
+            if next != manifest.step as u64 {
                 return Err(TrainError::Data(DataError::Resume {
                     field: "next step",
                     saved: next.to_string(),
-                    current: loaded.manifest.step.to_string(),
+                    current: manifest.step.to_string(),
                     hint: "the manifest is inconsistent; resume from another checkpoint",
                 }));
             }
         }
-        start = loaded.manifest.step;
+        start = manifest.step;
         if start >= steps {
             return Err(TrainError::Config(format!(
                 "`{}` is at step {start} and --steps is {steps}: nothing to run; --steps \
                  counts total steps, so raise it",
-                loaded.dir.display()
+                reader.dir().display()
             )));
         }
-        let (states, _global) = resume_states(&loaded, &skeleton, &json, train, &program)?;
-        resume = states;
+        checkpoint::check_model(manifest, reader.dir(), &json, &param_entries(&skeleton))?;
+        let numels = stage_numels(&skeleton, train, &program)?;
+        resume = Some(DirResume::new(reader, &numels)?);
     }
     let sink = match &args.save {
         None => None,
@@ -252,6 +258,11 @@ pub struct ExportArgs {
     /// The file format; default: from the extension of --out.
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub format: Option<WeightFormat>,
+    /// safetensors only: one file per pipeline stage of the checkpoint
+    /// (`NAME-00001-of-0000N.safetensors` beside --out) and the Hugging Face index
+    /// `NAME.safetensors.index.json`, which `bfpp train --init` also takes.
+    #[arg(long)]
+    pub per_stage: bool,
 }
 
 /// The weight-file formats of `bfpp export` and `bfpp train --init`.
@@ -265,53 +276,74 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
-    /// The format a file name says: `.safetensors` is safetensors, anything else a record.
+    /// The format a file name says: `.safetensors` is safetensors, and so is `.json` (the
+    /// index of a sharded set, `model.safetensors.index.json`); anything else a record.
     pub fn of_path(path: &Path) -> Self {
         match path.extension().and_then(|e| e.to_str()) {
             Some(ext) if ext.eq_ignore_ascii_case("safetensors") => Self::Safetensors,
+            Some(ext) if ext.eq_ignore_ascii_case("json") => Self::Safetensors,
             _ => Self::Mpk,
         }
     }
 }
 
-/// Consolidate a checkpoint into the plain single-device model and write it as a Burn record.
-pub fn export(args: &ExportArgs) -> Result<PathBuf, TrainError> {
-    let loaded = load(&args.checkpoint)?;
-    let config: GptConfig = serde_json::from_value(loaded.manifest.model.clone()).map_err(|e| {
+/// Write a checkpoint's trained weights as the plain model's: safetensors stage by stage, one
+/// tensor in memory at a time (so a model larger than this process's memory exports), or a
+/// Burn record, which holds the whole model in memory. Returns the files written.
+pub fn export(args: &ExportArgs) -> Result<Vec<PathBuf>, TrainError> {
+    let reader = CheckpointReader::open(&args.checkpoint)?;
+    let manifest = reader.manifest();
+    let config: GptConfig = serde_json::from_value(manifest.model.clone()).map_err(|e| {
         TrainError::Checkpoint(CheckpointError::OtherModel {
-            path: loaded.dir.join(checkpoint::MANIFEST),
+            path: reader.dir().join(checkpoint::MANIFEST),
             problem: format!("its model is not a GPT configuration: {e}"),
         })
     })?;
-    let global = checkpoint::consolidate(&loaded)?;
-    let model = { config.init_seeded::<Backend>(loaded.manifest.seed, &Default::default())? };
-    checkpoint::check_model(&loaded, &model_json(&config)?, &param_entries(&model))?;
-    let flat = Tensor::<Backend, 1>::from_data(
-        TensorData::new(global.params, [loaded.manifest.numel()]),
-        &Default::default(),
-    );
-    let model = { load_flat(model, &flat)? };
+    // The model's names and shapes, from a model whose parameters are never initialised.
+    let skeleton = config.skeleton::<Backend>(&Default::default())?;
+    checkpoint::check_model(
+        manifest,
+        reader.dir(),
+        &model_json(&config)?,
+        &param_entries(&skeleton),
+    )?;
     let format = args
         .format
         .unwrap_or_else(|| WeightFormat::of_path(&args.out));
     let out = out_path(&args.out, format);
-    let written = match format {
+    match format {
+        WeightFormat::Safetensors => {
+            let sharding = if args.per_stage {
+                Sharding::PerStage
+            } else {
+                Sharding::OneFile
+            };
+            Ok(export_safetensors(&reader, &out, sharding)?)
+        }
         WeightFormat::Mpk => {
+            if args.per_stage {
+                return Err(TrainError::Config(
+                    "--per-stage writes safetensors; a Burn record is one file of the whole \
+                     model: drop --per-stage, or export to a .safetensors name"
+                        .into(),
+                ));
+            }
+            let values = reader.read(Vector::Params, 0..manifest.numel())?;
+            let flat = Tensor::<Backend, 1>::from_data(
+                TensorData::new(values, [manifest.numel()]),
+                &Default::default(),
+            );
+            let model = load_flat(skeleton, &flat)?;
             let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
             model
                 .save_file(out.clone(), &recorder)
-                .map_err(|e| e.to_string())
+                .map_err(|e| TrainError::Write {
+                    path: out.clone(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+            Ok(vec![out])
         }
-        WeightFormat::Safetensors => {
-            let mut store = SafetensorsStore::from_file(out.clone()).overwrite(true);
-            model.save_into(&mut store).map_err(|e| e.to_string())
-        }
-    };
-    written.map_err(|e| TrainError::Write {
-        path: out.clone(),
-        source: std::io::Error::other(e),
-    })?;
-    Ok(out)
+    }
 }
 
 /// The file written: the recorder sets the extension to `.mpk` (replacing any other); a

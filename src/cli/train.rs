@@ -12,7 +12,7 @@ use std::time::Duration;
 use burn_bfpp::checkpoint::CheckpointError;
 use burn_bfpp::data::{load_corpus, Batcher, DataError};
 use burn_bfpp::engine::{
-    CheckpointSink, Checkpointing, EngineError, Fault, FaultKind, StepReport, Trainer,
+    CheckpointSink, Checkpointing, EngineError, Fault, FaultKind, ResumeSource, StepReport, Trainer,
 };
 use burn_bfpp::model::ModelError;
 use burn_bfpp::schedule::ScheduleError;
@@ -246,7 +246,12 @@ fn train_on<B: CliBackend>(
         }
         .print();
     }
-    let resumed_at = resume.first().map_or(0, |state| state.step);
+    let fresh: Vec<burn_bfpp::engine::RankState> = Vec::new();
+    let resume_from: &dyn ResumeSource = match &resume {
+        Some(dir) => dir,
+        None => &fresh,
+    };
+    let resumed_at = resume_from.step();
     let progress = Progress::new(
         steps,
         tokens_per_step,
@@ -267,7 +272,7 @@ fn train_on<B: CliBackend>(
     let mut trainer = Trainer::new(train.clone())
         .on_step(on_step)
         .checkpointing(Checkpointing {
-            resume: &resume,
+            resume: resume_from,
             every: args.ckpt.save_every.unwrap_or(0),
             at_end: sink.is_some(),
             sink: sink.as_ref().map(|s| s as &dyn CheckpointSink),

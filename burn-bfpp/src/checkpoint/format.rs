@@ -110,26 +110,89 @@ impl Manifest {
 
 /// Header of a rank file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct RankHeader {
-    rank: usize,
-    step: usize,
-    stages: Vec<StageHeader>,
+pub(super) struct RankHeader {
+    pub(super) rank: usize,
+    pub(super) step: usize,
+    pub(super) stages: Vec<StageHeader>,
     /// The f16 loss scale and its good-step count; absent without loss scaling (and in
     /// files written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     loss_scale: Option<(f64, usize)>,
 }
 
+/// A rank file's header, as [`super::reader`] reads it.
+pub(super) type FileHeader = RankHeader;
+
+impl RankHeader {
+    /// The f16 loss scale saved in this file, if any.
+    pub(super) fn scaler(&self) -> Option<ScalerState> {
+        self.loss_scale
+            .map(|(scale, good_steps)| ScalerState { scale, good_steps })
+    }
+}
+
 /// One stage's entry in a rank file header.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct StageHeader {
-    stage: usize,
+pub(super) struct StageHeader {
+    pub(super) stage: usize,
     numel: usize,
     padded: usize,
     dp: usize,
     dp_index: usize,
     sharded: bool,
     optimizer_steps: usize,
+}
+
+impl StageHeader {
+    /// The saved stage's layout.
+    pub(super) fn layout(&self) -> ShardLayout {
+        ShardLayout {
+            numel: self.numel,
+            padded: self.padded,
+            dp: self.dp,
+            dp_index: self.dp_index,
+            sharded: self.sharded,
+        }
+    }
+}
+
+/// Reads the header of the rank file `file` (named `path` in errors): the header and the
+/// byte offset of the first value after it.
+pub(super) fn read_header(
+    path: &Path,
+    file: &mut impl std::io::Read,
+) -> Result<(RankHeader, u64), CheckpointError> {
+    let bad = |problem: String| CheckpointError::Corrupt {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let mut start = [0u8; 12];
+    file.read_exact(&mut start)
+        .map_err(|e| bad(format!("no header: {e}")))?;
+    if &start[..8] != MAGIC {
+        return Err(bad("not a bfpp shard file (bad magic)".into()));
+    }
+    let header_len = u32::from_le_bytes([start[8], start[9], start[10], start[11]]) as usize;
+    let mut json = vec![0u8; header_len];
+    file.read_exact(&mut json)
+        .map_err(|_| bad("truncated header".into()))?;
+    let header: RankHeader =
+        serde_json::from_slice(&json).map_err(|e| bad(format!("unreadable header: {e}")))?;
+    Ok((header, 12 + header_len as u64))
+}
+
+/// CRC-32 (IEEE) of everything `reader` yields, as 8 hex digits, read a megabyte at a time.
+pub(super) fn crc32_hasher_hex(reader: &mut impl std::io::Read) -> std::io::Result<String> {
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let n = reader.read(&mut buffer)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+    }
+    Ok(format!("{:08x}", hasher.finalize()))
 }
 
 /// Serialises one rank's state.

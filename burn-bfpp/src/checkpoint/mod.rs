@@ -5,8 +5,10 @@
 //! about files: it hands each rank's [`RankState`] to a [`CheckpointSink`] ([`DirSink`] here)
 //! and starts from resharded states ([`resume_states`]).
 
+mod export;
 mod format;
 mod init;
+mod reader;
 mod reshard;
 mod store;
 #[cfg(test)]
@@ -16,11 +18,13 @@ use std::path::PathBuf;
 
 use burn::tensor::backend::AutodiffBackend;
 
+pub use export::{export_safetensors, Sharding};
 pub use format::{
     rank_file_name, FileEntry, Manifest, ParamEntry, SavedLayout, SavedStage, FORMAT_VERSION,
     MANIFEST,
 };
 pub use init::SafetensorsInit;
+pub use reader::{CheckpointReader, DirResume, Vector};
 pub use reshard::{check_model, consolidate, param_entries, shard_for, stage_numels, GlobalState};
 pub use store::{
     list_checkpoints, load, resolve, step_dir_name, DataAt, DirSink, Loaded, CRASH_ENV,
@@ -137,7 +141,12 @@ where
     B: AutodiffBackend,
     M: PipelineModel<B>,
 {
-    check_model(loaded, model_json, &param_entries(model))?;
+    check_model(
+        &loaded.manifest,
+        &loaded.dir,
+        model_json,
+        &param_entries(model),
+    )?;
     let global = consolidate(loaded)?;
     let numels = stage_numels(model, cfg, program)?;
     let states = shard_for(&global, &numels, &program.stage_ranks, cfg)?;

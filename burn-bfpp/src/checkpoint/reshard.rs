@@ -198,13 +198,14 @@ pub fn param_entries<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamEntry> {
 }
 
 /// Refuse a checkpoint of another model: its configuration or its parameters differ.
+/// `manifest` is the checkpoint's, read from the step directory `dir`.
 pub fn check_model(
-    loaded: &Loaded,
+    manifest: &Manifest,
+    dir: &std::path::Path,
     model: &serde_json::Value,
     params: &[ParamEntry],
 ) -> Result<(), CheckpointError> {
-    let manifest: &Manifest = &loaded.manifest;
-    let path = loaded.dir.join(MANIFEST);
+    let path = dir.join(MANIFEST);
     if &manifest.model != model {
         return Err(CheckpointError::OtherModel {
             path,

@@ -113,22 +113,7 @@ pub struct Loaded {
 /// that each file holds the rank and step the manifest says.
 pub fn load(path: &Path) -> Result<Loaded, CheckpointError> {
     let dir = resolve(path)?;
-    let manifest_path = dir.join(MANIFEST);
-    let text = fs::read(&manifest_path).map_err(|e| io_err(&manifest_path, e))?;
-    let manifest: Manifest =
-        serde_json::from_slice(&text).map_err(|e| CheckpointError::Corrupt {
-            path: manifest_path.clone(),
-            problem: format!("unreadable manifest: {e}"),
-        })?;
-    if manifest.format_version != FORMAT_VERSION {
-        return Err(CheckpointError::Corrupt {
-            path: manifest_path,
-            problem: format!(
-                "format version {} (this build reads {FORMAT_VERSION})",
-                manifest.format_version
-            ),
-        });
-    }
+    let manifest = read_manifest(&dir)?;
     let world = manifest.layout.pp * manifest.layout.dp;
     let mut ranks: Vec<Option<RankState>> = vec![None; world];
     for entry in &manifest.files {
@@ -177,6 +162,27 @@ pub fn load(path: &Path) -> Result<Loaded, CheckpointError> {
         manifest,
         ranks,
     })
+}
+
+/// The manifest of the step directory `dir`, refused unless this build reads its format.
+pub(super) fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
+    let manifest_path = dir.join(MANIFEST);
+    let text = fs::read(&manifest_path).map_err(|e| io_err(&manifest_path, e))?;
+    let manifest: Manifest =
+        serde_json::from_slice(&text).map_err(|e| CheckpointError::Corrupt {
+            path: manifest_path.clone(),
+            problem: format!("unreadable manifest: {e}"),
+        })?;
+    if manifest.format_version != FORMAT_VERSION {
+        return Err(CheckpointError::Corrupt {
+            path: manifest_path,
+            problem: format!(
+                "format version {} (this build reads {FORMAT_VERSION})",
+                manifest.format_version
+            ),
+        });
+    }
+    Ok(manifest)
 }
 
 /// The data position after a number of steps (see [`crate::data::Batcher::position`]).

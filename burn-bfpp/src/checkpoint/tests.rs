@@ -9,7 +9,9 @@ use burn::tensor::{Int, Tensor, TensorData};
 use super::*;
 use burn::optim::AdamWConfig;
 
-use crate::engine::{infallible, Checkpointing, LrConfig, TrainConfig, TrainOutcome, Trainer};
+use crate::engine::{
+    infallible, Checkpointing, LrConfig, ResumeSource, TrainConfig, TrainOutcome, Trainer,
+};
 use crate::model::{flatten_params, Gpt, GptConfig, Inputs, MicroBatch, Targets};
 use crate::schedule::ZeroLevel;
 
@@ -401,5 +403,88 @@ fn an_f16_run_resumes_with_its_loss_scale() {
         restarted.skipped_steps, later,
         "{:?}",
         restarted.skipped_steps
+    );
+}
+
+#[test]
+fn each_rank_reads_exactly_its_resharded_state_by_range() {
+    // Saved at P=2 V=2 D=2 ZeRO-3 (and at ZeRO-0), read back by range for layouts that cut
+    // stages and shards differently: every rank's state equals the consolidated reshard.
+    let base = model();
+    for saved_cfg in [
+        config(2, 2, 2, ZeroLevel::Zero3),
+        config(2, 1, 2, ZeroLevel::Zero0),
+    ] {
+        let scratch_dir = scratch("by-range");
+        let dir = scratch_dir.path().to_path_buf();
+        let sink = sink_for(&dir, &saved_cfg, &base, 0);
+        let ck = Checkpointing {
+            at_end: true,
+            sink: Some(&sink),
+            ..Checkpointing::default()
+        };
+        run(&base, &saved_cfg, 1, ck).expect("saves");
+        let loaded = load(&dir).expect("complete");
+        for cfg in [
+            config(1, 1, 1, ZeroLevel::Zero0),
+            config(1, 2, 3, ZeroLevel::Zero3),
+            config(4, 1, 2, ZeroLevel::Zero1),
+            config(2, 2, 2, ZeroLevel::Zero3),
+            config(3, 1, 1, ZeroLevel::Zero2),
+        ] {
+            let program = cfg.program().expect("valid layout");
+            let (want, _) =
+                resume_states(&loaded, &base, &model_json(), &cfg, &program).expect("reshards");
+            let numels = stage_numels(&base, &cfg, &program).expect("split");
+            let by_range = DirResume::new(CheckpointReader::open(&dir).expect("opens"), &numels)
+                .expect("fits");
+            assert_eq!(by_range.step(), want[0].step);
+            for (rank, state) in want.iter().enumerate() {
+                let held: Vec<_> = state.stages.iter().map(|s| (s.stage, s.layout)).collect();
+                let got = by_range.rank_state(rank, &held).expect("reads");
+                assert_eq!(&got, state, "pp={} dp={} rank {rank}", cfg.pp, cfg.dp);
+            }
+        }
+        // Another model's stage sizes are refused before any value is read.
+        let err = DirResume::new(CheckpointReader::open(&dir).expect("opens"), &[1, 2, 3])
+            .expect_err("another model");
+        assert!(err.to_string().contains("hold 6 values"), "{err}");
+    }
+}
+
+#[test]
+fn a_damaged_rank_file_is_named_by_the_rank_that_reads_it() {
+    let base = model();
+    let cfg = config(2, 1, 1, ZeroLevel::Zero0);
+    let scratch_dir = scratch("damaged-range");
+    let dir = scratch_dir.path().to_path_buf();
+    let sink = sink_for(&dir, &cfg, &base, 0);
+    let ck = Checkpointing {
+        at_end: true,
+        sink: Some(&sink),
+        ..Checkpointing::default()
+    };
+    run(&base, &cfg, 1, ck).expect("saves");
+    let step_dir = resolve(&dir).expect("complete");
+    let victim = step_dir.join(rank_file_name(1));
+    let mut bytes = std::fs::read(&victim).expect("reads");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&victim, bytes).expect("writes");
+    let program = cfg.program().expect("valid");
+    let numels = stage_numels(&base, &cfg, &program).expect("split");
+    let resume = DirResume::new(CheckpointReader::open(&dir).expect("opens"), &numels)
+        .expect("sizes still match");
+    let layout = |s: usize| crate::engine::ShardLayout::new(numels[s], 1, 0, ZeroLevel::Zero0);
+    // Rank 0's own file is intact: it reads its state.
+    resume
+        .rank_state(0, &[(0, layout(0))])
+        .expect("rank 0 reads");
+    let err = resume
+        .rank_state(1, &[(1, layout(1))])
+        .expect_err("damaged");
+    assert!(
+        err.contains(&victim.display().to_string()) && err.contains("checksum"),
+        "{err}"
     );
 }

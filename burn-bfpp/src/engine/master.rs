@@ -208,7 +208,10 @@ impl<B: Backend> Master<B> {
                 .map_err(|e| EngineError::Optimizer(e.to_string()))
         };
         match self {
-            Master::Shard { owned, optimizer: o } => {
+            Master::Shard {
+                owned,
+                optimizer: o,
+            } => {
                 *owned = tensor(values);
                 *o = optimizer(moment_1, moment_2)?;
             }

@@ -40,7 +40,7 @@ pub use nonfinite::{NonFinitePolicy, NonFiniteReport, SeenOn};
 pub use precision::{LossScaling, Precision, ScalerState};
 pub use profile::{collective_share, StepProfile};
 pub use shard::ShardLayout;
-pub use snapshot::{CheckpointSink, Checkpointing, RankState, StageState};
+pub use snapshot::{CheckpointSink, Checkpointing, RankState, ResumeSource, StageState};
 pub use trainer::{ProcessWorld, ThreadComms, Threads, ThreadsOn, Trainer};
 
 pub use timeline::DEFAULT_TIMELINE_STEPS;

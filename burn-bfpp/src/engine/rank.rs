@@ -145,8 +145,9 @@ where
             )
         })
         .collect::<Result<_, _>>()?;
-    if !checkpointing.resume.is_empty() {
-        restore_rank(rank, &mut local, checkpointing.resume)?;
+    let mut saved_scaler = None;
+    if start > 0 {
+        saved_scaler = restore_rank(rank, &mut local, checkpointing.resume)?;
     }
     let settings = ExecutorSettings {
         zero: cfg.zero,
@@ -165,7 +166,7 @@ where
     let recorder = Recorder::new(plan.timeline_steps, start);
     let mut exec = RankExecutor::new(comm, settings, list, local, plan.epoch, recorder);
     let batch_shapes = BatchShapes::default();
-    if let Some(scaler) = checkpointing.resume.get(rank).and_then(|s| s.scaler) {
+    if let Some(scaler) = saved_scaler {
         exec.restore_scaler(scaler);
     }
     // The run's length shapes the learning rate; a stop before its end only ends this call.

@@ -60,12 +60,64 @@ pub trait CheckpointSink: Sync {
     fn commit(&self, step: usize) -> Result<(), String>;
 }
 
+/// Where a resumed run's ranks find their saved state, each asking only for its own.
+///
+/// [`crate::checkpoint::DirResume`] reads a checkpoint on disk, each rank only the values of
+/// its own shards, resharded for the new layout. A `Vec<RankState>` (one state per world
+/// rank, e.g. [`crate::checkpoint::resume_states`]) is a source too.
+pub trait ResumeSource: Sync {
+    /// The step the saved states are at: training continues with the step after it (0: no
+    /// state, a fresh run).
+    fn step(&self) -> usize;
+
+    /// World rank `rank`'s state for the stages it holds in this run, `(global stage index,
+    /// layout)` in the order it holds them. Errors are text (they cross rank boundaries) and
+    /// name the file and the problem.
+    fn rank_state(&self, rank: usize, stages: &[(usize, ShardLayout)])
+        -> Result<RankState, String>;
+}
+
+/// Every world rank's state, by world rank; empty for a fresh run.
+impl ResumeSource for Vec<RankState> {
+    fn step(&self) -> usize {
+        self.first().map_or(0, |s| s.step)
+    }
+
+    fn rank_state(
+        &self,
+        rank: usize,
+        stages: &[(usize, ShardLayout)],
+    ) -> Result<RankState, String> {
+        let state = self.get(rank).ok_or_else(|| {
+            format!(
+                "the resume state has {} ranks but this is world rank {rank}; reshard the \
+                 checkpoint for this layout",
+                self.len()
+            )
+        })?;
+        if self.iter().any(|s| s.step != state.step) || state.stages.len() != stages.len() {
+            return Err(format!(
+                "rank {rank}: the resume state is inconsistent (steps {:?}, {} stages for {} \
+                 held here)",
+                self.iter().map(|s| s.step).collect::<Vec<_>>(),
+                state.stages.len(),
+                stages.len()
+            ));
+        }
+        Ok(state.clone())
+    }
+}
+
+/// No saved state: a fresh run.
+static FRESH: Vec<RankState> = Vec::new();
+
 /// How a run starts and when it saves.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub struct Checkpointing<'a> {
-    /// The state of every world rank to start from, indexed by world rank; empty for a fresh
-    /// run. All must carry the same step; training continues with the step after it.
-    pub resume: &'a [RankState],
+    /// Where every rank's state to start from comes from ([`ResumeSource`]); a fresh run has
+    /// none (the empty `Vec`, the default). Training continues with the step after its
+    /// [`ResumeSource::step`].
+    pub resume: &'a dyn ResumeSource,
     /// Save after every step that is a multiple of this (0: never in between).
     pub every: usize,
     /// Save after the last step.
@@ -74,10 +126,21 @@ pub struct Checkpointing<'a> {
     pub sink: Option<&'a dyn CheckpointSink>,
 }
 
+impl Default for Checkpointing<'_> {
+    fn default() -> Self {
+        Checkpointing {
+            resume: &FRESH,
+            every: 0,
+            at_end: false,
+            sink: None,
+        }
+    }
+}
+
 impl std::fmt::Debug for Checkpointing<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Checkpointing")
-            .field("resume_ranks", &self.resume.len())
+            .field("resume_step", &self.resume.step())
             .field("every", &self.every)
             .field("at_end", &self.at_end)
             .field("sink", &self.sink.is_some())
@@ -88,7 +151,7 @@ impl std::fmt::Debug for Checkpointing<'_> {
 impl Checkpointing<'_> {
     /// The step training continues after (0 for a fresh run).
     pub fn start_step(&self) -> usize {
-        self.resume.first().map_or(0, |s| s.step)
+        self.resume.step()
     }
 
     /// Whether a checkpoint is due after `step` of a run of `steps` steps.
@@ -98,28 +161,25 @@ impl Checkpointing<'_> {
     }
 }
 
-/// Put the saved states of this rank's stages in place of the fresh ones.
+/// Put the saved states of this rank's stages in place of the fresh ones, asking `resume`
+/// for exactly this rank's stages.
 pub(super) fn restore_rank<B, S>(
     rank: usize,
     local: &mut [LocalStage<B, S>],
-    resume: &[RankState],
-) -> Result<(), EngineError>
+    resume: &dyn ResumeSource,
+) -> Result<Option<ScalerState>, EngineError>
 where
     B: AutodiffBackend,
     S: PipelineStage<B>,
 {
-    let state = resume.get(rank).ok_or_else(|| {
-        EngineError::Config(format!(
-            "the resume state has {} ranks but this is world rank {rank}; reshard the \
-             checkpoint for this layout",
-            resume.len()
-        ))
+    let held: Vec<(usize, ShardLayout)> = local.iter().map(|s| (s.index, s.layout)).collect();
+    let state = resume.rank_state(rank, &held).map_err(|e| {
+        EngineError::Checkpoint(format!("rank {rank} could not read its saved state: {e}"))
     })?;
-    if resume.iter().any(|s| s.step != state.step) || state.stages.len() != local.len() {
+    if state.stages.len() != local.len() {
         return Err(EngineError::Config(format!(
-            "rank {rank}: the resume state is inconsistent (steps {:?}, {} stages for {} \
-             held here)",
-            resume.iter().map(|s| s.step).collect::<Vec<_>>(),
+            "rank {rank}: the resume state has {} stages for {} held here; reshard the \
+             checkpoint for this layout",
             state.stages.len(),
             local.len()
         )));
@@ -127,7 +187,7 @@ where
     for (stage, saved) in local.iter_mut().zip(&state.stages) {
         stage.restore(saved)?;
     }
-    Ok(())
+    Ok(state.scaler)
 }
 
 /// Hand this rank's state after `step` to the sink, agree with every rank that all writes

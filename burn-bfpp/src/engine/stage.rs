@@ -199,9 +199,8 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
             .iter_mut()
             .zip(&self.shapes)
             .map(|(g, shape)| {
-                g.take().unwrap_or_else(|| {
-                    Tensor::zeros([shape.iter().product::<usize>()], &device)
-                })
+                g.take()
+                    .unwrap_or_else(|| Tensor::zeros([shape.iter().product::<usize>()], &device))
             })
             .collect();
         if self.layout.padded > self.layout.numel {
@@ -449,7 +448,6 @@ pub(super) fn pad<B: burn::tensor::backend::Backend>(
     let zeros = Tensor::zeros([len - n], &flat.device());
     Tensor::cat(vec![flat, zeros], 0)
 }
-
 
 /// Every float parameter's value of `module`, flattened to 1-D (views, no copy), in visit
 /// order.
