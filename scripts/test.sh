@@ -97,4 +97,9 @@ stage "ranks as MPI processes (process_ranks, mpi_bubble, launch_cli, process_ch
 bounded_test 900 -p burn-bfpp --features mpi --test process_ranks --test mpi_bubble
 bounded_test 900 --features mpi --test launch_cli --test process_checkpoint_cli --test memory_cli
 
+stage "a Burn user's own project (tests/downstream: burn-bfpp by path, no [patch.crates-io])"
+# Four thread ranks on the published burn-autodiff take turns at autodiff work; ten runs must
+# each equal plain Burn within 1e-5, and their speed against MPI processes is printed.
+bash scripts/downstream.sh
+
 stage "done: every test stage passed"

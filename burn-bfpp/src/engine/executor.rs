@@ -17,6 +17,7 @@ use super::timeline::Recorder;
 use super::{EngineError, StepCounts};
 use crate::comm::{Communicator, Group};
 use crate::host_read;
+use crate::model::autodiff::serial_autodiff;
 use crate::model::{
     fresh_leaves, input_grad, input_leaf, loss_backward, release_params, stage_backward,
     MicroBatch, PipelineStage, StageInput, StageOutput, Targets,
@@ -86,6 +87,9 @@ pub(crate) struct ExecutorSettings {
     pub(crate) loss_scaling: LossScaling,
     /// Token targets must lie in `0..classes` (checked on the device); `None`: unchecked.
     pub(crate) target_classes: Option<usize>,
+    /// Whether this rank shares its process with other thread ranks (see
+    /// [`crate::model::autodiff::serial_autodiff`]).
+    pub(crate) threads: bool,
 }
 
 /// What one optimizer step produced on a rank.
@@ -291,7 +295,20 @@ where
                 continue;
             }
             self.finish_needed_by(step, action)?;
-            self.timed(step, action, |exec| exec.run(action, batch))?;
+            self.timed(step, action, |exec| {
+                // Actions that record, run or drop autodiff graphs; the others only move
+                // inner-backend tensors (and may wait on peers, which no turn may span).
+                let _turn = matches!(
+                    action.kind,
+                    ActionKind::Forward
+                        | ActionKind::Backward
+                        | ActionKind::BackwardInput
+                        | ActionKind::Reshard
+                )
+                .then(|| exec.autodiff_turn())
+                .flatten();
+                exec.run(action, batch)
+            })?;
             at += 1;
         }
         Ok(())
@@ -529,6 +546,12 @@ where
         self.stage_mut(s)?.accumulate_deferred(deferred, factor)
     }
 
+    /// This rank's turn at autodiff work, where thread ranks take turns
+    /// ([`crate::model::autodiff::serial_autodiff`]); `None` where they need not.
+    pub(super) fn autodiff_turn(&self) -> Option<std::sync::MutexGuard<'static, ()>> {
+        serial_autodiff(self.settings.threads)
+    }
+
     /// What every gradient is multiplied by on its way into a stage's window: the inverse
     /// loss scale (1 unless f16), or NaN in a step with an injected non-finite fault.
     fn grad_factor(&self) -> f64 {
@@ -580,12 +603,15 @@ where
         let comm = self.comm;
         if hand_back {
             for s in indices {
+                let threads = self.settings.threads;
                 let stage = self.stage_mut(s)?;
                 if stage.layout.sharded {
                     let shard = stage.shard_to_gather_as(DType::F32)?;
                     let full = comm.all_gather(Group::DataParallel, shard)?;
+                    let _turn = serial_autodiff(threads);
                     stage.refill_as(full, DType::F32)?;
                 } else {
+                    let _turn = serial_autodiff(threads);
                     stage.refill_from_master_as(DType::F32)?;
                 }
             }

@@ -396,6 +396,7 @@ where
             Mutex::new(Some(local))
         })
         .collect();
+    crate::model::autodiff::notice_serial_autodiff(grid.world_size());
     let epoch = Instant::now();
     let plan = RankPlan {
         cfg,
@@ -403,6 +404,7 @@ where
         epoch,
         timeline_steps,
         hand_back: true,
+        threads: grid.world_size() > 1,
     };
     let results = run_ranks(comms, |comm| {
         let stages = per_rank[comm.rank()]

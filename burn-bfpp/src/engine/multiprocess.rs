@@ -168,6 +168,7 @@ where
         epoch,
         timeline_steps,
         hand_back: whole.is_some(),
+        threads: false,
     };
     let outcome = train_rank_with(comm, &plan, stages, data, on_step, checkpointing)?;
     let elapsed = epoch.elapsed();

@@ -13,6 +13,7 @@ use super::stage::LocalStage;
 use super::timeline::Recorder;
 use super::{EngineConfig, EngineError, FaultKind, StepCounts, StepReport};
 use crate::comm::{Communicator, Group};
+use crate::model::autodiff::serial_autodiff;
 use crate::model::{module_to_device, split_described, ModelDescription, PipelineStage};
 use crate::schedule::PipelineSchedule;
 use crate::schedule::TimedEvent;
@@ -30,6 +31,9 @@ pub(crate) struct RankPlan<'a> {
     pub(crate) timeline_steps: usize,
     /// Whether the rank hands its trained stages back (gathered, fp32) at the end.
     pub(crate) hand_back: bool,
+    /// Whether the ranks are several threads of this process (see
+    /// [`crate::model::autodiff::serial_autodiff`]).
+    pub(crate) threads: bool,
 }
 
 /// What one rank produced.
@@ -125,12 +129,15 @@ where
     // The rank computes on its communicator's device (received tensors arrive there); stages
     // built elsewhere move first, as leaves with their own autodiff graph.
     let device = comm.device().clone();
+    let turn = serial_autodiff(plan.threads);
     let stages: Vec<(usize, S)> = stages
         .into_iter()
         .map(|(s, module)| (s, module_to_device(module, &device)))
         .collect();
+    drop(turn);
     let start = checkpointing.start_step();
-    let shapes = find_shapes(comm, plan.program, &stages, data, start + 1)?;
+    let shapes = find_shapes(comm, plan.program, &stages, data, start + 1, plan.threads)?;
+    let turn = serial_autodiff(plan.threads);
     let mut local: Vec<_> = stages
         .into_iter()
         .map(|(s, module)| {
@@ -145,9 +152,11 @@ where
             )
         })
         .collect::<Result<_, _>>()?;
+    drop(turn);
     let mut saved_scaler = None;
     if start > 0 {
-        saved_scaler = restore_rank(rank, &mut local, checkpointing.resume)?;
+        // Each rank reads its own files first; the refill takes its turn.
+        saved_scaler = restore_rank(rank, &mut local, checkpointing.resume, plan.threads)?;
     }
     let settings = ExecutorSettings {
         zero: cfg.zero,
@@ -161,6 +170,7 @@ where
         precision: cfg.precision,
         loss_scaling: cfg.loss_scaling,
         target_classes: shapes.target_classes,
+        threads: plan.threads,
     };
     let list = plan.program.ranks[pp_index].clone();
     let recorder = Recorder::new(plan.timeline_steps, start);

@@ -107,6 +107,7 @@ pub(crate) fn find_shapes<B, S, C, D>(
     stages: &[(usize, S)],
     data: &D,
     step: usize,
+    threads: bool,
 ) -> Result<Shapes, EngineError>
 where
     B: AutodiffBackend,
@@ -185,9 +186,13 @@ where
         } else {
             None
         };
-        // No gradients: nothing of this forward is kept.
+        // No gradients: nothing of this forward is kept. Thread ranks may have to take turns
+        // at autodiff work, but never while waiting on a peer.
+        let turn = crate::model::autodiff::serial_autodiff(threads);
         let stage = stage.clone().no_grad();
-        match (stage.forward(input, targets)?, s == last) {
+        let output = stage.forward(input, targets)?;
+        drop(turn);
+        match (output, s == last) {
             (StageOutput::Hidden(h), false) => {
                 table[s] = Some(h.dims());
                 let downstream_here = stages.iter().any(|(t, _)| *t == s + 1);

@@ -167,6 +167,7 @@ pub(super) fn restore_rank<B, S>(
     rank: usize,
     local: &mut [LocalStage<B, S>],
     resume: &dyn ResumeSource,
+    threads: bool,
 ) -> Result<Option<ScalerState>, EngineError>
 where
     B: AutodiffBackend,
@@ -184,6 +185,7 @@ where
             local.len()
         )));
     }
+    let _turn = crate::model::autodiff::serial_autodiff(threads);
     for (stage, saved) in local.iter_mut().zip(&state.stages) {
         stage.restore(saved)?;
     }

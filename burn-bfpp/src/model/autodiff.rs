@@ -48,6 +48,15 @@
 //! inputs marked as used until its own step is registered; `tests/autodiff_threads.rs`
 //! fails without the patch. So thread ranks record and run their graphs concurrently.
 //!
+//! A `[patch.crates-io]` applies only to the workspace that declares it: a project that
+//! depends on burn-bfpp compiles the published burn-autodiff unless it declares the same
+//! patch. The build knows which it got ([`PATCHED_AUTODIFF`]: the patched crate tells
+//! burn-bfpp's build script through its `links` metadata). Without the patch, ranks that are
+//! threads of one process take turns at every step that records, runs or drops an autodiff
+//! graph ([`serial_autodiff`]), exactly as before the patch, and the first such run says so
+//! once (a `tracing` warning naming the lines to add). Correct either way; with the patch the
+//! ranks run at the speed of separate processes.
+//!
 //! What remains to respect: threads must not share autodiff nodes. Burn locks a graph and
 //! then its registry in a backward, and the registry and then graphs when an op joins two
 //! graphs, so two threads recording on one graph could deadlock. The engine never shares a
@@ -60,6 +69,59 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 
 use super::ModelError;
+
+/// Whether the burn-autodiff this crate was built against carries the workspace's fix of
+/// tracel-ai/burn#5573 (`vendor/burn-autodiff`, used through `[patch.crates-io]`): only then
+/// do thread ranks drive Burn's autodiff at once. A project that depends on burn-bfpp gets it
+/// by adding to its own `Cargo.toml`
+///
+/// ```toml
+/// [patch.crates-io]
+/// burn-autodiff = { path = "PATH/TO/burn-bfpp-repository/vendor/burn-autodiff" }
+/// ```
+///
+/// (or the `git` form of the same); without it, thread ranks take turns (see the module
+/// docs).
+pub const PATCHED_AUTODIFF: bool = cfg!(bfpp_autodiff_patched);
+
+/// The lines that give a project the patched burn-autodiff, for notices.
+pub(crate) const PATCH_HINT: &str = "add `[patch.crates-io] burn-autodiff = { path = \
+     \"<burn-bfpp checkout>/vendor/burn-autodiff\" }` to your project's Cargo.toml \
+     (see burn-bfpp's docs/user-guide.md, \"Your own project\")";
+
+/// Held by a rank that shares this process with other thread ranks while it records, runs or
+/// drops autodiff graphs, where Burn's autodiff is the published 0.21.0, whose backward can
+/// free the steps of a graph another thread is building (tracel-ai/burn#5573). `None` (no
+/// turns taken) with the patched crate, or for a rank that has its process to itself.
+pub(crate) fn serial_autodiff(threads: bool) -> Option<std::sync::MutexGuard<'static, ()>> {
+    static TURNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    if PATCHED_AUTODIFF || !threads {
+        return None;
+    }
+    // The lock guards no data; a panic while holding it leaves nothing inconsistent.
+    Some(
+        TURNS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
+}
+
+/// Says once per process that thread ranks take turns for want of the patched autodiff.
+pub(crate) fn notice_serial_autodiff(ranks: usize) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if PATCHED_AUTODIFF || ranks < 2 {
+        return;
+    }
+    ONCE.call_once(|| {
+        tracing::warn!(
+            ranks,
+            "this build uses the published burn-autodiff 0.21.0, which can lose gradients \
+             when threads run backward passes at once (tracel-ai/burn#5573): the {ranks} \
+             thread ranks take turns at autodiff work, which is correct but slower than \
+             separate processes. For full speed, {PATCH_HINT}"
+        );
+    });
+}
 
 /// A copy of `module` whose float parameters are new autodiff leaves with the same values
 /// (the data is shared, not copied), the same [`burn::module::ParamId`]s and the same

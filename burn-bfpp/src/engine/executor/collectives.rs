@@ -78,9 +78,13 @@ where
         action: Action,
         result: Tensor<Inner<B>, 1>,
     ) -> Result<(), EngineError> {
+        let turn = (action.kind == ActionKind::Unshard)
+            .then(|| self.autodiff_turn())
+            .flatten();
         let stage = self.stage_mut(action.stage)?;
         if action.kind == ActionKind::Unshard {
             stage.refill(result)?;
+            drop(turn);
             stage.gathered = true;
             self.note_memory();
         } else {

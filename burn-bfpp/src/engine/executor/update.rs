@@ -86,6 +86,7 @@ where
         }
         self.scaler.good();
         let coefficient = clip_coefficient(summary.total_sq, self.settings.max_grad_norm);
+        let _turn = self.autodiff_turn();
         for stage in &mut self.stages {
             stage.update(lr, coefficient)?;
         }

@@ -476,3 +476,12 @@ fn fresh_leaves_share_values_and_ids_but_not_gradients() {
         .iter()
         .all(|g| *g == 0.0));
 }
+
+#[test]
+fn the_workspace_builds_the_patched_autodiff() {
+    // The workspace's [patch.crates-io] brings vendor/burn-autodiff, whose `links` metadata
+    // reaches build.rs: thread ranks here must not take turns (a project without the patch
+    // gets `false`, tests/downstream).
+    assert!(super::autodiff::PATCHED_AUTODIFF);
+    assert!(super::autodiff::serial_autodiff(true).is_none());
+}
