@@ -17,7 +17,7 @@ use std::time::Duration;
 
 mod common;
 use common::bounded::output_within;
-use common::{json_of, scratch_dir, TINY};
+use common::{json_of, scratch_dir};
 
 /// The model and batch of the memory checks: 14 blocks of width 1024 (176 M parameters).
 const BIG: &[&str] = &[
@@ -93,7 +93,7 @@ fn one_rank_holds_at_most_1_3_times_plain_burns_memory() {
 fn a_long_run_keeps_flat_memory() {
     // The tiny GPT in the default layout (4 thread ranks): what grows per step shows.
     let run = |steps: &'static str| {
-        let args = [TINY, &["--steps", steps]].concat();
+        let args = [common::TINY, &["--steps", steps]].concat();
         peak_rss(None, &format!("steps-{steps}"), &args)[0]
     };
     let (short, long) = (run("50"), run("400"));

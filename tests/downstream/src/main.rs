@@ -11,69 +11,23 @@
 //! processes; world rank 0 prints the line.
 use std::time::Instant;
 
-use burn::backend::{Autodiff, Flex};
-use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
-use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::backend::Flex;
 use burn_bfpp::comm::{CommConfig, MpiComm, RankGrid};
 use burn_bfpp::engine::{infallible, LrConfig, TrainConfig, Trainer};
 use burn_bfpp::model::autodiff::PATCHED_AUTODIFF;
-use burn_bfpp::model::{
-    flatten_params, FusedOps, Inputs, LayerStack, MicroBatch, PipelineModel, StackParts, Targets,
-};
+use burn_bfpp::model::StackParts;
 
-type B = Autodiff<Flex>;
-const WIDTH: usize = 32;
-const SHAPE: [usize; 2] = [2, 16];
+// The repository's layer-stack example model, data and plain-Burn loop, as a user would
+// have written them in their own crate.
+#[path = "../../../examples/shared/layer_stack_lm.rs"]
+mod layer_stack_lm;
+use layer_stack_lm::{batch, max_rel_diff, plain_burn, Lm};
+
 const STEPS: usize = 4;
 const LR: f64 = 1e-3;
 const PP: usize = 2;
 const DP: usize = 2;
 const MICROBATCHES: usize = 4;
-
-struct Lm;
-
-impl StackParts for Lm {
-    type Input<D: FusedOps> = Embedding<D>;
-    type Block<D: FusedOps> = TransformerEncoderLayer<D>;
-    type Head<D: FusedOps> = Linear<D>;
-
-    fn num_blocks(&self) -> usize {
-        6
-    }
-
-    fn input<D: FusedOps>(&self, device: &D::Device) -> Embedding<D> {
-        EmbeddingConfig::new(WIDTH, WIDTH).init(device)
-    }
-
-    fn block<D: FusedOps>(&self, _index: usize, device: &D::Device) -> TransformerEncoderLayer<D> {
-        let config = TransformerEncoderConfig::new(WIDTH, 4 * WIDTH, 4, 1)
-            .with_dropout(0.0)
-            .with_norm_first(true);
-        config.init::<D>(device).layers.remove(0)
-    }
-
-    fn head<D: FusedOps>(&self, device: &D::Device) -> Linear<D> {
-        LinearConfig::new(WIDTH, WIDTH).init(device)
-    }
-}
-
-type Whole = LayerStack<B, Embedding<B>, TransformerEncoderLayer<B>, Linear<B>>;
-
-fn batch(step: usize, dp: usize, mb: usize) -> MicroBatch<B> {
-    let start = step * 131 + dp * 17 + mb * 5;
-    let ids = |shift: usize| {
-        let v: Vec<i64> = (0..SHAPE[0] * SHAPE[1])
-            .map(|i| ((start + i * i % 7 + i + shift) % WIDTH) as i64)
-            .collect();
-        Tensor::<B, 2, Int>::from_data(TensorData::new(v, SHAPE), &Default::default())
-    };
-    MicroBatch {
-        inputs: Inputs::Tokens(ids(0)),
-        targets: Targets::Tokens(ids(1)),
-    }
-}
 
 fn config() -> TrainConfig {
     TrainConfig::new(STEPS)
@@ -82,44 +36,6 @@ fn config() -> TrainConfig {
         .with_dp(DP)
         .with_microbatches(MICROBATCHES)
         .with_lr(LrConfig::Constant(LR))
-}
-
-/// Plain Burn: losses and final parameter norm of the same model on one device.
-fn plain(seed: u64) -> Result<(Vec<f64>, f64), Box<dyn std::error::Error>> {
-    let mut model: Whole = Lm.described(seed).build(&Default::default())?;
-    let mut optim = AdamWConfig::new().init::<B, Whole>();
-    let mut losses = Vec::new();
-    for step in 1..=STEPS {
-        let mut total = Tensor::<B, 1>::zeros([1], &Default::default());
-        for (d, m) in (0..DP).flat_map(|d| (0..MICROBATCHES).map(move |m| (d, m))) {
-            total = total + model.loss(&batch(step, d, m))?;
-        }
-        let loss = total / (DP * MICROBATCHES) as f64;
-        losses.push(loss.clone().into_scalar() as f64);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(LR, model, grads);
-    }
-    Ok((losses, norm(&model)?))
-}
-
-fn max_rel_diff(piped: &[f64], piped_norm: f64, plain: &[f64], plain_norm: f64) -> f64 {
-    let rel = |a: f64, b: f64| ((a - b) / b).abs();
-    let mut worst = rel(piped_norm, plain_norm);
-    if piped.len() != plain.len() {
-        return f64::INFINITY;
-    }
-    for (a, b) in piped.iter().zip(plain) {
-        worst = worst.max(rel(*a, *b));
-    }
-    worst
-}
-
-/// The L2 norm of every parameter, summed in f64 as the engine's `param_norm` is (an f32 sum
-/// over the model's 100k values would differ from it by about 1e-5 on its own).
-fn norm(model: &Whole) -> Result<f64, Box<dyn std::error::Error>> {
-    let values = flatten_params(model).into_data().convert::<f32>().into_vec::<f32>();
-    let values = values.map_err(|e| format!("reading the parameters: {e:?}"))?;
-    Ok(values.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt())
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -149,8 +65,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seconds.push(started.elapsed().as_secs_f64());
         // Only world rank 0 (every thread world) has the outcome to compare.
         if let Some(outcome) = outcome {
-            let (losses, norm) = plain(seed)?;
-            diffs.push(max_rel_diff(&outcome.losses, outcome.param_norm, &losses, norm));
+            let whole = model.build(&Default::default())?;
+            let (losses, norm) = plain_burn(whole, STEPS, DP, MICROBATCHES, LR)?;
+            diffs.push(max_rel_diff(
+                &outcome.losses,
+                outcome.param_norm,
+                &losses,
+                norm,
+            ));
         }
     }
     if !diffs.is_empty() {
