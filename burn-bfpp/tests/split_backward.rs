@@ -152,8 +152,9 @@ fn burn_nn_layers_are_refused_for_split_schedules_with_the_fix() {
         Ok(_) => panic!("a stack of burn-nn layers trained under zb-h1"),
         Err(e) => e.to_string(),
     };
+    // Both ranks check their own stage at once: either may be the first failure reported.
     assert!(
-        err.contains("stage 0")
+        (err.contains("stage 0 (layers") || err.contains("stage 1 (layers"))
             && err.contains("SplitLinear")
             && err.contains("splits_weight_grads")
             && err.contains("1f1b"),

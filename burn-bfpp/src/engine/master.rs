@@ -13,6 +13,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::EngineError;
 use crate::host_read::{read, ReadPurpose};
+use crate::model::zeros_flat;
 use crate::optim::{sq_norm_on_device, AdamWSettings, ShardOptimizer};
 
 /// A stage's fp32 master weights on this rank, with their AdamW state.
@@ -116,7 +117,7 @@ impl<B: Backend> Master<B> {
                         None => parts
                             .get_mut(i)
                             .and_then(Option::take)
-                            .unwrap_or_else(|| Tensor::zeros([n], &value.device())),
+                            .unwrap_or_else(|| zeros_flat(n, &value.device())),
                     };
                     let current = std::mem::replace(value, Tensor::empty([0], &g.device()));
                     *value = optimizer

@@ -13,7 +13,8 @@ use super::shard::ShardLayout;
 use super::snapshot::StageState;
 use super::EngineError;
 use crate::model::{
-    flatten_params, load_flat_shaped, param_ids, param_shapes, release_params, PipelineStage,
+    flatten_params, load_flat_shaped, param_ids, param_shapes, release_params, zeros_flat,
+    PipelineStage,
 };
 use crate::optim::{AdamWSettings, ShardOptimizer};
 use crate::schedule::ZeroLevel;
@@ -200,7 +201,7 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
             .zip(&self.shapes)
             .map(|(g, shape)| {
                 g.take()
-                    .unwrap_or_else(|| Tensor::zeros([shape.iter().product::<usize>()], &device))
+                    .unwrap_or_else(|| zeros_flat(shape.iter().product::<usize>(), &device))
             })
             .collect();
         if self.layout.padded > self.layout.numel {
@@ -210,7 +211,7 @@ impl<B: AutodiffBackend, S: PipelineStage<B>> LocalStage<B, S> {
             ));
         }
         if parts.is_empty() {
-            return Tensor::zeros([0], &device);
+            return zeros_flat(0, &device);
         }
         Tensor::cat(parts, 0)
     }

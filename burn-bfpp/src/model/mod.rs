@@ -51,7 +51,7 @@ pub use gpt::{FusedMode, Gpt, GptConfig, GptDescription, GptStage};
 pub(crate) use params::model_paths;
 pub(crate) use params::param_ids;
 pub use params::{flatten_params, load_flat, materialize, named_param_shapes, param_shapes};
-pub(crate) use params::{load_flat_shaped, recombine, release_params};
+pub(crate) use params::{load_flat_shaped, recombine, release_params, zeros_flat};
 pub(crate) use placement::{module_to_device, tensor_to_device};
 pub use stack::{
     LayerStack, StackBlock, StackDescription, StackHead, StackInput, StackOf, StackParts,

@@ -60,6 +60,16 @@ pub(crate) fn no_elements<B: Backend, const D: usize>(device: &B::Device) -> Ten
     Tensor::empty([0; D], device)
 }
 
+/// `n` zeros on `device`; an empty tensor without a fill kernel when `n` is 0 (see
+/// [`no_elements`]).
+pub(crate) fn zeros_flat<B: Backend>(n: usize, device: &B::Device) -> Tensor<B, 1> {
+    if n == 0 {
+        no_elements(device)
+    } else {
+        Tensor::zeros([n], device)
+    }
+}
+
 /// Concatenates flat parts; an empty list gives an empty tensor on the module's device.
 pub(crate) fn concat_or_empty<B: Backend, M: Module<B>, const D: usize>(
     parts: Vec<Tensor<B, D>>,

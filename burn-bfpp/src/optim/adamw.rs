@@ -242,7 +242,7 @@ impl<B: Backend> ShardOptimizer<B> {
     pub fn first_moment(&self) -> Tensor<B, 1> {
         match &self.moments {
             Some((m, _)) => m.clone(),
-            None => Tensor::zeros([self.len], &self.device),
+            None => crate::model::zeros_flat(self.len, &self.device),
         }
     }
 
@@ -250,7 +250,7 @@ impl<B: Backend> ShardOptimizer<B> {
     pub fn second_moment(&self) -> Tensor<B, 1> {
         match &self.moments {
             Some((_, v)) => v.clone(),
-            None => Tensor::zeros([self.len], &self.device),
+            None => crate::model::zeros_flat(self.len, &self.device),
         }
     }
 
