@@ -189,6 +189,36 @@ fn process_launch() -> Result<Option<RendezvousEnv>, TrainError> {
         .filter(|env| env.world_size > 1))
 }
 
+/// `(rank, size)` of an MPI launch (OpenMPI's, PMIx's or PMI's variables), read through
+/// `lookup`: what `mpirun` or `srun --mpi` sets in every process it starts.
+fn mpi_launch_from(lookup: impl Fn(&str) -> Option<String>) -> Option<(usize, usize)> {
+    let pairs = [
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMIX_RANK", "PMIX_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+    ];
+    pairs.iter().find_map(|(r, s)| {
+        let rank = lookup(r)?.parse().ok()?;
+        let size = lookup(s)?.parse().ok()?;
+        Some((rank, size))
+    })
+}
+
+/// The refusal of GPU ranks in a process that an MPI launcher started among several but
+/// that has no torchrun or Slurm rank variables: without it, every process would run a
+/// whole world of thread ranks on its own.
+#[cfg(any(feature = "cuda", test))]
+fn gpu_processes_without_rank_variables(lookup: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let (rank, size) = mpi_launch_from(lookup).filter(|&(_, size)| size > 1)?;
+    Some(format!(
+        "this process is rank {rank} of {size} started by an MPI launcher (mpirun or srun \
+         --mpi), which gives GPU ranks no rendezvous: every process would train a whole \
+         world on its own; start GPU ranks with `bfpp launch --nproc {size} -- train \
+         --backend cuda …`, with torchrun, or with srun (which sets SLURM_PROCID), one process \
+         per GPU"
+    ))
+}
+
 /// The refusal of a process launch for ranks that are not GPU ranks.
 fn not_gpu_processes(env: &RendezvousEnv, backend: BackendChoice, world: usize) -> TrainError {
     TrainError::Config(format!(
@@ -341,16 +371,7 @@ mod flex {
 
     /// `(rank, size)` of an MPI launch, read from the launcher's environment.
     fn mpi_launch_env() -> Option<(usize, usize)> {
-        #[cfg(feature = "mpi")]
-        {
-            burn_bfpp::comm::mpi_launch_env()
-        }
-        #[cfg(not(feature = "mpi"))]
-        {
-            let rank = std::env::var("OMPI_COMM_WORLD_RANK").ok()?.parse().ok()?;
-            let size = std::env::var("OMPI_COMM_WORLD_SIZE").ok()?.parse().ok()?;
-            Some((rank, size))
-        }
+        mpi_launch_from(|k| std::env::var(k).ok())
     }
 }
 
@@ -526,6 +547,9 @@ mod cuda {
                 let comm = NcclComm::over_host(control).map_err(EngineError::from)?;
                 return Ok(CudaWorld::Process(Box::new(comm), device, world));
             }
+            if let Some(refusal) = gpu_processes_without_rank_variables(|k| std::env::var(k).ok()) {
+                return Err(TrainError::Config(refusal));
+            }
             if request.comm == CommMode::Mpi {
                 return Err(TrainError::Config(
                     "GPU ranks as processes are started by `bfpp launch --nproc N -- train \
@@ -548,5 +572,40 @@ mod cuda {
             cuda_driver_available().map_err(EngineError::from)?;
             Ok(CudaDevice::new(0))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn gpu_processes_under_mpirun_are_refused_naming_the_launchers() {
+        let mpirun = [("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "4")];
+        let refusal = gpu_processes_without_rank_variables(env(&mpirun)).expect("refused");
+        assert!(refusal.contains("rank 2 of 4"), "{refusal}");
+        for launcher in ["bfpp launch --nproc 4", "torchrun", "srun"] {
+            assert!(refusal.contains(launcher), "{refusal}");
+        }
+        let pmix = [("PMIX_RANK", "0"), ("PMIX_SIZE", "8")];
+        assert!(gpu_processes_without_rank_variables(env(&pmix)).is_some());
+    }
+
+    #[test]
+    fn a_single_process_or_no_launcher_is_not_refused() {
+        let alone = [("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "1")];
+        assert!(gpu_processes_without_rank_variables(env(&alone)).is_none());
+        assert!(gpu_processes_without_rank_variables(env(&[])).is_none());
+        let garbled = [("PMI_RANK", "x"), ("PMI_SIZE", "4")];
+        assert!(gpu_processes_without_rank_variables(env(&garbled)).is_none());
     }
 }
