@@ -112,6 +112,17 @@ fn sink_for(dir: &Path, cfg: &TrainConfig, base: &Gpt<B>, keep: usize) -> DirSin
     DirSink::new(dir, template, None, keep).expect("sink")
 }
 
+/// Trains `base` one step under `cfg` and saves that step into `dir`.
+fn save_one_step(base: &Gpt<B>, cfg: &TrainConfig, dir: &Path) {
+    let sink = sink_for(dir, cfg, base, 0);
+    let ck = Checkpointing {
+        at_end: true,
+        sink: Some(&sink),
+        ..Checkpointing::default()
+    };
+    run(base, cfg, 1, ck).expect("one step, saved");
+}
+
 fn run(
     base: &Gpt<B>,
     cfg: &TrainConfig,
@@ -235,13 +246,7 @@ fn damaged_checkpoints_are_refused_naming_the_file() {
     let cfg = config(2, 1, 1, ZeroLevel::Zero0);
     let scratch_dir = scratch("damaged");
     let dir = scratch_dir.path().to_path_buf();
-    let sink = sink_for(&dir, &cfg, &base, 0);
-    let ck = Checkpointing {
-        at_end: true,
-        sink: Some(&sink),
-        ..Checkpointing::default()
-    };
-    run(&base, &cfg, 1, ck).expect("run");
+    save_one_step(&base, &cfg, &dir);
     let step = dir.join(step_dir_name(1));
     let rank1 = step.join(rank_file_name(1));
     let good = std::fs::read(&rank1).expect("rank file");
@@ -286,6 +291,7 @@ fn damaged_checkpoints_are_refused_naming_the_file() {
     );
 
     // Saving the same step again would overwrite a complete checkpoint: refused up front.
+    let sink = sink_for(&dir, &cfg, &base, 0);
     let err = sink.check_free([1]).expect_err("exists").to_string();
     assert!(err.contains("step-00000001"), "{err}");
 }
@@ -417,13 +423,7 @@ fn each_rank_reads_exactly_its_resharded_state_by_range() {
     ] {
         let scratch_dir = scratch("by-range");
         let dir = scratch_dir.path().to_path_buf();
-        let sink = sink_for(&dir, &saved_cfg, &base, 0);
-        let ck = Checkpointing {
-            at_end: true,
-            sink: Some(&sink),
-            ..Checkpointing::default()
-        };
-        run(&base, &saved_cfg, 1, ck).expect("saves");
+        save_one_step(&base, &saved_cfg, &dir);
         let loaded = load(&dir).expect("complete");
         for cfg in [
             config(1, 1, 1, ZeroLevel::Zero0),
@@ -458,13 +458,7 @@ fn a_damaged_rank_file_is_named_by_the_rank_that_reads_it() {
     let cfg = config(2, 1, 1, ZeroLevel::Zero0);
     let scratch_dir = scratch("damaged-range");
     let dir = scratch_dir.path().to_path_buf();
-    let sink = sink_for(&dir, &cfg, &base, 0);
-    let ck = Checkpointing {
-        at_end: true,
-        sink: Some(&sink),
-        ..Checkpointing::default()
-    };
-    run(&base, &cfg, 1, ck).expect("saves");
+    save_one_step(&base, &cfg, &dir);
     let step_dir = resolve(&dir).expect("complete");
     let victim = step_dir.join(rank_file_name(1));
     let mut bytes = std::fs::read(&victim).expect("reads");

@@ -13,7 +13,7 @@ use super::{
     TrainOutcome, TrainedStages, DEFAULT_TIMELINE_STEPS,
 };
 use crate::comm::{Communicator, LocalComm, ProcessRank, RankGrid, ThreadRank};
-use crate::model::{module_to_device, recombine, CutFrom, ModelDescription, PipelineModel};
+use crate::model::{module_to_device, recombine, ModelDescription, PipelineModel, Whole};
 use crate::schedule::PipelineSchedule;
 
 /// The ranks as threads of this process, all on the model's device (the default world).
@@ -264,14 +264,15 @@ impl<'a, C> Trainer<'a, ThreadComms<C>> {
         D: DataSource<B>,
     {
         let home = model.devices().into_iter().next().unwrap_or_default();
-        let outcome = self.fit_described(&CutFrom(&model), data)?;
+        let model = Whole(model);
+        let outcome = self.fit_described(&model, data)?;
         outcome.try_map_model(|trained| {
             let stages: Vec<M::Stage> = trained
                 .stages
                 .into_iter()
                 .map(|s| module_to_device(s, &home))
                 .collect();
-            recombine(model.clone(), &stages).map_err(EngineError::from)
+            recombine(model.0, &stages).map_err(EngineError::from)
         })
     }
 
@@ -323,7 +324,8 @@ impl<'a, C> Trainer<'a, ProcessWorld<'a, C>> {
         C: ProcessRank<B::InnerBackend>,
         D: DataSource<B>,
     {
-        let outcome = self.run_process(&CutFrom(&model), data, Some(&model))?;
+        let model = Whole(model);
+        let outcome = self.run_process(&model, data, Some(&model.0))?;
         outcome
             .map(|o| {
                 o.try_map_model(|m| {

@@ -66,35 +66,10 @@ pub trait ModelDescription<B: Backend> {
     }
 }
 
-/// A model built whole, as a description whose stages are cut from it ([`PipelineModel::stage`])
-/// and moved to the asked device: how [`crate::engine::Trainer::fit`] runs built models on the
-/// engine that builds stages per rank.
-pub(crate) struct CutFrom<'m, M>(pub(crate) &'m M);
-
-impl<B: Backend, M: PipelineModel<B>> ModelDescription<B> for CutFrom<'_, M> {
-    type Stage = M::Stage;
-
-    fn num_layers(&self) -> usize {
-        self.0.num_layers()
-    }
-
-    fn layer_costs(&self) -> Vec<f64> {
-        self.0.layer_costs()
-    }
-
-    fn build_stage(
-        &self,
-        layers: Range<usize>,
-        device: &B::Device,
-    ) -> Result<Self::Stage, ModelError> {
-        Ok(module_to_device(self.0.stage(layers)?, device))
-    }
-}
-
 /// A model built whole, as a description: its stages are cut from it (sharing its
 /// parameters) and moved to the device asked for. For models that exist whole anyway (small
 /// ones, or ones loaded from a record); [`crate::engine::Trainer::fit`] takes the model
-/// itself.
+/// itself and wraps it in this.
 #[derive(Debug, Clone)]
 pub struct Whole<M>(pub M);
 
@@ -114,7 +89,7 @@ impl<B: Backend, M: PipelineModel<B>> ModelDescription<B> for Whole<M> {
         layers: Range<usize>,
         device: &B::Device,
     ) -> Result<Self::Stage, ModelError> {
-        CutFrom(&self.0).build_stage(layers, device)
+        Ok(module_to_device(self.0.stage(layers)?, device))
     }
 }
 

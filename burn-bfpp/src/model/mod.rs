@@ -44,7 +44,6 @@ use burn::tensor::{Int, Tensor};
 // The engine's autodiff and parameter plumbing: internal, the executor is their only user.
 pub(crate) use autodiff::{fresh_leaves, input_grad, input_leaf, loss_backward, stage_backward};
 pub use cubecl_kernels::FusedOps;
-pub(crate) use describe::CutFrom;
 pub use describe::{draw_layer, fill_params, layer_seed, ModelDescription, Whole};
 pub use error::ModelError;
 pub use gpt::{FusedMode, Gpt, GptConfig, GptDescription, GptStage};
