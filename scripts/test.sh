@@ -75,8 +75,11 @@ grep -q -- '--features' /tmp/bfpp-train-err
 stage "engine and CLI on the wgpu backend (lavapipe)"
 # The engine and the thread handoff on a CubeCL backend, and `bfpp train --backend wgpu`
 # against the Flex run of the same config; Mesa's software Vulkan stands in for a GPU.
-bounded_test 1200 -p burn-bfpp --features wgpu --test engine_wgpu --test comm_wgpu
-bounded_test 900 --features wgpu --test train_backends
+# One feature set for both packages, so the library and its dependencies compile once for the
+# stage (two invocations resolved different feature sets and compiled Burn twice).
+wgpu_tests=(-p burn-bfpp -p bfpp --features bfpp/wgpu)
+bounded_test 1200 "${wgpu_tests[@]}" --test engine_wgpu --test comm_wgpu
+bounded_test 900 "${wgpu_tests[@]}" --test train_backends
 
 stage "kernel_bench --small on lavapipe (the program scripts/gpu-check.sh runs on CUDA)"
 # Every step of the GPU benchmark at tiny shapes, so a broken benchmark is found here and not
@@ -94,8 +97,9 @@ bounded_test 1200 -p cubecl-kernels --features cuda --test cuda_codegen --test f
 
 # Ranks as separate processes under `mpirun -np 4` (OpenMPI from the system packages).
 stage "ranks as MPI processes (process_ranks, mpi_bubble, launch_cli, process_checkpoint_cli, memory_cli)"
-bounded_test 900 -p burn-bfpp --features mpi --test process_ranks --test mpi_bubble
-bounded_test 900 --features mpi --test launch_cli --test process_checkpoint_cli --test memory_cli
+mpi_tests=(-p burn-bfpp -p bfpp --features bfpp/mpi)
+bounded_test 900 "${mpi_tests[@]}" --test process_ranks --test mpi_bubble
+bounded_test 900 "${mpi_tests[@]}" --test launch_cli --test process_checkpoint_cli --test memory_cli
 
 stage "a Burn user's own project (tests/downstream: burn-bfpp by path, no [patch.crates-io])"
 # Four thread ranks on the published burn-autodiff take turns at autodiff work; ten runs must
