@@ -7,7 +7,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 
 use super::nonfinite::NonFinitePolicy;
@@ -15,7 +15,7 @@ use super::precision::{LossScaler, LossScaling, Precision, ScalerState};
 use super::stage::{in_dtype, LocalStage};
 use super::timeline::Recorder;
 use super::{EngineError, StepCounts};
-use crate::comm::{Communicator, Group};
+use crate::comm::{Communicator, Group, Pending};
 use crate::host_read;
 use crate::model::autodiff::serial_autodiff;
 use crate::model::{
@@ -31,7 +31,6 @@ type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 mod collectives;
 mod transfers;
 mod update;
-use collectives::InFlight;
 
 /// The micro-batches of the step being run: `(dp_index, microbatch)` → the micro-batch on the
 /// rank's device, or the data source's error naming the step, the rank and the micro-batch.
@@ -101,6 +100,13 @@ pub(crate) struct StepOutcome {
     pub(crate) skipped: bool,
     /// The step's host reads and bytes sent.
     pub(crate) counts: StepCounts,
+}
+
+/// A collective started by `UNSHARD` or `REDUCE_GRAD` whose result is not yet used.
+struct InFlight<B: Backend> {
+    /// The action that started it, which also names its waits.
+    action: Action,
+    pending: Pending<B>,
 }
 
 /// One rank's interpreter and its state.

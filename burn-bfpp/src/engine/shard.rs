@@ -70,3 +70,21 @@ mod tests {
         assert_eq!((zero0.owned_offset(), zero0.owned_len()), (0, 12));
     }
 }
+
+/// One stage's training state on one rank: its owned shard of the padded flat parameters and
+/// the AdamW moments of that shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageState {
+    /// Global stage index.
+    pub stage: usize,
+    /// How the stage's flat parameters are laid out over the data-parallel group.
+    pub layout: ShardLayout,
+    /// The owned part of the padded flat parameters (`layout.owned_len()` values).
+    pub owned: Vec<f32>,
+    /// AdamW first moment of the owned part.
+    pub moment_1: Vec<f32>,
+    /// AdamW second moment of the owned part.
+    pub moment_2: Vec<f32>,
+    /// AdamW steps taken (the bias-correction counter).
+    pub optimizer_steps: usize,
+}

@@ -9,8 +9,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 
 use super::master::{Master, Reduced};
-use super::shard::ShardLayout;
-use super::snapshot::StageState;
+use super::shard::{ShardLayout, StageState};
 use super::EngineError;
 use crate::model::{
     flatten_params, load_flat_shaped, param_ids, param_shapes, release_params, zeros_flat,

@@ -8,9 +8,10 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::data::DataSource;
 use super::multiprocess::train_processes;
+use super::thread_world::train_world;
 use super::{
-    train_world, Checkpointing, EngineConfig, EngineError, Fault, StepReport, TrainConfig,
-    TrainOutcome, TrainedStages, DEFAULT_TIMELINE_STEPS,
+    Checkpointing, EngineConfig, EngineError, Fault, StepReport, TrainConfig, TrainOutcome,
+    TrainedStages, DEFAULT_TIMELINE_STEPS,
 };
 use crate::comm::{Communicator, LocalComm, ProcessRank, RankGrid, ThreadRank};
 use crate::model::{module_to_device, recombine, ModelDescription, PipelineModel, Whole};

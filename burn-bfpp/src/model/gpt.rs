@@ -16,7 +16,9 @@ use cubecl_kernels::FusedOps;
 use serde::{Deserialize, Serialize};
 
 use super::describe::{build_seeded, draw_layer, ModelDescription};
-use super::gpt_layers::{flash_head_dim, CausalSelfAttention, GptBlock, GptEmbedding, GptHead};
+use super::gpt_layers::{
+    flash_head_dim, CausalSelfAttention, Fused, GptBlock, GptEmbedding, GptHead,
+};
 use super::Inputs;
 use super::{
     check_range, materialize, model_paths, random_init_lock, ModelError, PipelineModel,
@@ -84,14 +86,6 @@ impl std::str::FromStr for FusedMode {
             )),
         }
     }
-}
-
-/// Which parts of the forward take the fused path, decided once per forward.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Fused {
-    pub(super) attention: bool,
-    pub(super) mlp: bool,
-    pub(super) head: bool,
 }
 
 impl Default for GptConfig {

@@ -8,9 +8,16 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor};
 use cubecl_kernels::FusedOps;
 
-use super::gpt::Fused;
 use super::split_linear::SplitLinear;
 use super::ModelError;
+
+/// Which parts of the forward take the fused path, decided once per forward.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Fused {
+    pub(super) attention: bool,
+    pub(super) mlp: bool,
+    pub(super) head: bool,
+}
 
 /// Layer 0: token embedding plus learned position embedding.
 #[derive(Module, Debug)]

@@ -3,7 +3,7 @@
 
 use crate::schedule::{ActionKind, PipelineSchedule, ZeroLevel};
 
-use super::cost::CostTable;
+use super::cost_table::CostTable;
 use super::{SimConfig, SimError};
 
 /// Check that the schedule is in range, lowered, and lowered for `cfg`'s ZeRO level.

@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::schedule::{Action, ActionKind, PipelineSchedule, ZeroLevel};
 
 use super::check::{check_costs, check_schedule};
-use super::cost::CostTable;
+use super::cost_table::CostTable;
 use super::memory::Ledger;
 use super::result::{Interval, RankTrace, SimResult, TraceItem};
 use super::{Execution, SimConfig, SimError};

@@ -73,6 +73,7 @@
 
 mod check;
 mod cost;
+mod cost_table;
 mod engine;
 mod hardware;
 mod memory;
@@ -89,7 +90,8 @@ use serde::Deserialize;
 
 use crate::schedule::{ScheduleError, ZeroLevel};
 
-pub use cost::{CostTable, Topology};
+pub use cost::Topology;
+pub use cost_table::CostTable;
 pub use engine::{simulate, simulate_costed, ActionDurations};
 pub use hardware::{HardwareConfig, HARDWARE_PRESETS};
 pub use memory::static_bytes;

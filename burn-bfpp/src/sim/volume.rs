@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::CostTable;
+use super::cost_table::CostTable;
 use crate::schedule::{ActionKind, PipelineSchedule, ZeroLevel};
 
 /// Bytes of payload a rank sends, by the kind of traffic: elements × the size of the dtype

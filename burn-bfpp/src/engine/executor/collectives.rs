@@ -2,22 +2,15 @@
 //! (see [`crate::comm::pending`]), and the executor finishes each only where its result is
 //! needed, so the wait for the other replicas overlaps compute.
 
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
 use super::super::master::Reduced;
 use super::super::EngineError;
-use super::{Inner, RankExecutor};
+use super::{InFlight, Inner, RankExecutor};
 use crate::comm::{Collective, Communicator, Group, Pending, ReduceOp};
 use crate::model::PipelineStage;
 use crate::schedule::{Action, ActionKind};
-
-/// A collective started by `UNSHARD` or `REDUCE_GRAD` whose result is not yet used.
-pub(super) struct InFlight<B: Backend> {
-    /// The action that started it, which also names its waits.
-    pub(super) action: Action,
-    pub(super) pending: Pending<B>,
-}
 
 impl<B, S, C> RankExecutor<'_, B, S, C>
 where

@@ -3,7 +3,7 @@
 
 use crate::schedule::PipelineSchedule;
 
-use super::super::cost::CostTable;
+use super::super::cost_table::CostTable;
 use super::super::memory::{static_bytes, static_weight_elements};
 use super::super::result::{Interval, MemoryLog, SimResult, TraceItem};
 use super::super::volume::step_comm_bytes;

@@ -17,7 +17,7 @@ use super::super::flash_fwd_tiles::flash_fwd_tiles_kernel;
 use super::super::linear_ce::{FINISH_THREADS, GRAD_ROW_THREADS, GRAD_TILE, STATS_THREADS};
 use super::super::linear_gelu::{ROW_THREADS, TILE};
 use super::super::mlp::{bias_gelu_dz_kernel, bias_gelu_fwd_kernel};
-use super::{CudaKernelSource, CudaSourceError, CudaTarget};
+use super::target::{CudaKernelSource, CudaSourceError, CudaTarget};
 
 /// One attention variant's static choices.
 #[derive(Debug, Clone, Copy)]

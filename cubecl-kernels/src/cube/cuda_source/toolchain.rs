@@ -4,7 +4,7 @@
 use std::ffi::{CStr, CString};
 use std::path::Path;
 
-use super::{CudaKernelSource, CudaSourceError, CudaTarget};
+use super::target::{CudaKernelSource, CudaSourceError, CudaTarget};
 
 /// Compiles `kernel` to PTX for `target` with NVRTC, with the options CubeCL's CUDA runtime
 /// passes (architecture, include folder, line info). `include_dir` is the folder holding
