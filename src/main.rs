@@ -11,16 +11,14 @@
 
 mod cli;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use burn_bfpp::schedule::{
-    from_csv, render_actions, render_grid, to_csv, to_csv_with, validate, CsvNaming, Placement,
-    ProgramSpec, ScheduleKind, ScheduleSpec, ZeroLevel,
-};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+#[cfg(not(feature = "flex"))]
+use clap::Args;
+use clap::{Parser, Subcommand};
 
-use cli::{write_output, CliError};
+use cli::error::CliError;
+use cli::schedule::{run_schedule, run_validate, ScheduleArgs, ValidateArgs};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -92,81 +90,6 @@ fn not_built(command: &str) -> Result<(), CliError> {
     )))
 }
 
-#[derive(Debug, Args)]
-struct ScheduleArgs {
-    /// Schedule family: gpipe, 1f1b, interleaved (alias depth-first), breadth-first (alias
-    /// bf), or with split backwards zb-h1, interleaved-zb, zb-v, breadth-first-zb,
-    /// dualpipev (overlapped forward/backward pairs).
-    #[arg(long, default_value = "breadth-first", value_name = "NAME")]
-    schedule: ScheduleKind,
-    /// Pipeline ranks P.
-    #[arg(long, default_value_t = 4)]
-    pp: usize,
-    /// Stages per rank V [default: 2; 1 for gpipe and 1f1b].
-    #[arg(long)]
-    loops: Option<usize>,
-    /// Micro-batches per optimizer step M.
-    #[arg(long, default_value_t = 8)]
-    microbatches: usize,
-    /// Breadth-first micro-batches per sweep K (must divide M) [default: M].
-    #[arg(long)]
-    bf_microbatches: Option<usize>,
-    /// Stage → rank placement.
-    #[arg(long, value_enum, default_value_t = PlacementArg::Looping)]
-    placement: PlacementArg,
-    /// ZeRO level of the data-parallel lowering: 0, 1, 2 or 3.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
-    zero: u8,
-    /// Rotating full-size weight and gradient buffers per rank.
-    #[arg(long, default_value_t = 2)]
-    buffers: usize,
-    /// Output format: per-rank compute order, time-step grid, lowered CSV, or a JSON summary.
-    #[arg(long, value_enum, default_value_t = Format::Grid)]
-    format: Format,
-    /// Write to FILE instead of standard output.
-    #[arg(long, short, value_name = "FILE")]
-    output: Option<PathBuf>,
-}
-
-#[derive(Debug, Args)]
-struct ValidateArgs {
-    /// The schedule CSV file.
-    #[arg(value_name = "FILE.csv")]
-    file: PathBuf,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum PlacementArg {
-    /// Stage s on rank s mod P.
-    Looping,
-    /// Odd loops run the ranks backwards.
-    VShape,
-}
-
-impl From<PlacementArg> for Placement {
-    fn from(arg: PlacementArg) -> Self {
-        match arg {
-            PlacementArg::Looping => Placement::Looping,
-            PlacementArg::VShape => Placement::VShape,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Format {
-    /// `rank R: ` and the rank's compute actions, one line per rank.
-    Actions,
-    /// Time-step × rank table of the unit-time replay.
-    Grid,
-    /// The lowered schedule, one CSV line per rank (PyTorch pipelining's layout).
-    Csv,
-    /// The same in PyTorch's earlier naming (`B` input-only backward, `BW` full backward),
-    /// for tools that read only that one.
-    CsvLegacy,
-    /// Parameters, timing, lowered action lists and collective counts.
-    Json,
-}
-
 fn main() -> ExitCode {
     // Usage errors exit through clap (code 2), --help and --version with 0.
     let cli = Cli::parse();
@@ -198,63 +121,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            cli::report_error(&err);
+            cli::output::report_error(&err);
             ExitCode::FAILURE
         }
     }
-}
-
-fn run_schedule(args: &ScheduleArgs) -> Result<(), CliError> {
-    let kind = args.schedule;
-    let default_loops = kind.family().default_loops;
-    let spec = ScheduleSpec {
-        kind,
-        pp: args.pp,
-        loops: args.loops.unwrap_or(default_loops),
-        microbatches: args.microbatches,
-        bf_microbatches: args.bf_microbatches,
-        placement: args.placement.into(),
-    };
-    let zero = ZeroLevel::from_number(args.zero)?;
-    let program = ProgramSpec::new(spec.clone(), zero)
-        .with_buffers(args.buffers)
-        .compile()?;
-    let text = match args.format {
-        Format::Actions => render_actions(&program.compute),
-        Format::Grid => render_grid(&program.compute)?,
-        Format::Csv => to_csv(&program.lowered),
-        Format::CsvLegacy => to_csv_with(&program.lowered, CsvNaming::Legacy),
-        Format::Json => cli::json_summary(
-            &spec,
-            args.zero,
-            args.buffers,
-            &program.lowered,
-            &program.report,
-        ),
-    };
-    write_output(args.output.as_deref(), &text)
-}
-
-fn run_validate(args: &ValidateArgs) -> Result<(), CliError> {
-    let path = &args.file;
-    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
-        path: path.clone(),
-        source,
-    })?;
-    let in_file = |source| CliError::InFile {
-        path: path.clone(),
-        source,
-    };
-    let schedule = from_csv(&text).map_err(in_file)?;
-    let report = validate(&schedule).map_err(in_file)?;
-    let line = format!(
-        "valid: {} ranks, {} stages, {} micro-batches, makespan {} units (forward 1, backward 2), \
-         bubble {:.4}\n",
-        schedule.num_ranks(),
-        schedule.num_stages(),
-        schedule.microbatches,
-        report.makespan,
-        report.bubble_fraction,
-    );
-    write_output(None, &line)
 }

@@ -11,7 +11,7 @@ use burn_bfpp::schedule::ZeroLevel;
 use clap::Args;
 
 use super::config::BfppConfig;
-use super::train::TrainError;
+use super::error::TrainError;
 
 /// `bfpp train [FLAGS]`.
 #[derive(Debug, Clone, Default, Args)]
@@ -218,8 +218,9 @@ impl TrainArgs {
         parsed(&mut t.schedule, &self.schedule)?;
         parsed(&mut t.placement, &self.placement)?;
         if let Some(path) = &self.schedule_file {
-            let order = super::read_schedule_file(path, self.pp, self.loops, self.microbatches)
-                .map_err(|e| TrainError::Config(e.to_string()))?;
+            let order =
+                super::schedule::read_schedule_file(path, self.pp, self.loops, self.microbatches)
+                    .map_err(|e| TrainError::Config(e.to_string()))?;
             t.pp = order.num_ranks();
             // Uneven stages are refused by the engine, naming the file.
             t.loops = order.stages_per_rank().unwrap_or(t.loops);

@@ -19,9 +19,9 @@ use serde_json::json;
 use super::args::TrainArgs;
 use super::backend::CliBackend;
 use super::config::BfppConfig;
+use super::error::TrainError;
 use super::predict::{MeasuredStep, Prediction};
 use super::report::{rss_text, steady_step};
-use super::train::TrainError;
 
 /// The model's float parameters in `dtype`, still requiring gradients.
 fn cast<B: CliBackend>(model: Gpt<B>, dtype: DType) -> Gpt<B> {

@@ -26,7 +26,7 @@ use burn_bfpp::schedule::PipelineSchedule;
 use clap::Args;
 
 use super::backend::CliBackend;
-use super::train::TrainError;
+use super::error::TrainError;
 
 /// The backend `bfpp export` consolidates on: Burn's CPU backend.
 type Backend = burn::backend::Autodiff<burn::backend::Flex>;

@@ -35,7 +35,7 @@ use burn_bfpp::model::{GptConfig, ModelSplit};
 use burn_bfpp::schedule::ZeroLevel;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::train::TrainError;
+use super::error::TrainError;
 
 /// The whole configuration of a training run.
 #[derive(Debug, Clone, Serialize, Deserialize)]

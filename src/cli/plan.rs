@@ -7,8 +7,9 @@ use burn_bfpp::plan::{explain, plan, Candidate, Family, Plan, PlanRequest};
 use clap::Args;
 use serde_json::{json, Map, Value};
 
+use super::error::CliError;
+use super::output::write_output;
 use super::simulate::{gib, load_hardware, load_model};
-use super::{write_output, CliError};
 
 /// The flags `plan` and `compare` share.
 #[derive(Debug, Clone, Args)]

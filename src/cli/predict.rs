@@ -11,7 +11,7 @@ use burn_bfpp::sim::{
 use serde_json::json;
 
 use super::backend::BackendChoice;
-use super::train::TrainError;
+use super::error::TrainError;
 
 /// The simulator's shape of `model`: what the model FLOPs of a step are counted on, for the
 /// measured and the predicted MFU alike.

@@ -17,9 +17,11 @@ use burn_bfpp::viz;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
+use super::args::TrainArgs;
 use super::backend::BackendChoice;
 use super::config::BfppConfig;
-use super::train::TrainError;
+use super::error::TrainError;
+use super::predict::{MeasuredStep, Prediction};
 
 /// The metrics file in the output folder: one JSON object per optimizer step.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -355,6 +357,8 @@ pub struct Summary {
     step_times_s: Vec<f64>,
     /// Tokens one step trains.
     tokens_per_step: usize,
+    /// What carried each kind of traffic between the ranks, when the world said.
+    transports: Option<String>,
 }
 
 /// The median of the steps after the first (kernel compilation, autotuning and allocator
@@ -395,7 +399,14 @@ impl Summary {
             last_step: outcome.last_step.clone(),
             step_times_s: outcome.step_times.clone(),
             tokens_per_step,
+            transports: None,
         }
+    }
+
+    /// The same summary saying what carried each kind of traffic (the `transports` line).
+    pub fn with_transports(mut self, transports: String) -> Self {
+        self.transports = Some(transports);
+        self
     }
 
     /// Seconds of a steady step ([`steady_step`]).
@@ -495,6 +506,9 @@ impl Summary {
             "collectives  {} of each rank's list time (gathers, reductions)\n",
             shares.join(", ")
         );
+        if let Some(transports) = &self.transports {
+            out += &format!("transports   {transports}\n");
+        }
         out += &format!(
             "param norm   {:.4} (L2 over all parameters)\n",
             self.param_l2_norm
@@ -527,6 +541,36 @@ pub fn rss_text(peaks: &[Option<u64>]) -> String {
             })
             .collect::<Vec<_>>()
             .join(", "),
+    }
+}
+
+/// The end of a run on standard output: the summary as text or JSON, with the measured
+/// beside the predicted figures when `--hardware` was given; nothing under `--quiet`.
+pub fn render(
+    args: &TrainArgs,
+    summary: &Summary,
+    prediction: Option<&Prediction>,
+    devices: usize,
+    tokens_per_step: usize,
+) -> Option<String> {
+    let measured = MeasuredStep {
+        step_s: summary.steady_step_s(),
+        devices,
+    };
+    if args.json {
+        let mut doc = summary.json_value();
+        if let (Some(p), Some(fields)) = (prediction, doc.as_object_mut()) {
+            fields.insert("hardware".into(), p.json(measured));
+        }
+        Some(format!("{doc}\n"))
+    } else if args.quiet {
+        None
+    } else {
+        let mut text = summary.text();
+        if let Some(p) = prediction {
+            text += &p.text(measured, tokens_per_step);
+        }
+        Some(text)
     }
 }
 

@@ -16,7 +16,9 @@ use burn_bfpp::viz::{
 };
 use clap::Args;
 
-use super::{read_schedule_file, write_output, CliError};
+use super::error::CliError;
+use super::output::write_output;
+use super::schedule::read_schedule_file;
 
 /// `bfpp simulate [FLAGS]`.
 #[derive(Debug, Clone, Args)]

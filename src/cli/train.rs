@@ -5,150 +5,24 @@
 //! the corpus before the model is built, so a bad config or `--data` path is reported within
 //! milliseconds and before anything is written.
 
-use std::io;
-use std::path::PathBuf;
-use std::time::Duration;
-
-use burn_bfpp::checkpoint::CheckpointError;
-use burn_bfpp::data::{load_corpus, Batcher, DataError};
+use burn_bfpp::comm::RankGrid;
+use burn_bfpp::data::{load_corpus, Batcher};
 use burn_bfpp::engine::{
-    CheckpointSink, Checkpointing, EngineError, Fault, FaultKind, ResumeSource, StepReport, Trainer,
+    CheckpointSink, Checkpointing, EngineError, ResumeSource, StepReport, Trainer,
 };
-use burn_bfpp::model::ModelError;
-use burn_bfpp::schedule::ScheduleError;
 
 use super::args::TrainArgs;
 use super::backend::{BackendChoice, CliBackend, RankWorld, WorldRequest};
 use super::checkpoint::{prepare, Prepared};
 use super::config::{BfppConfig, Plan};
-use super::predict::{predict, resolve_hardware, MeasuredStep, Prediction};
-use super::report::{self, Header, Progress};
-use super::write_output;
-
-/// The environment variable that injects a fault:
-/// `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` (`secs` goes with `kind=sleep`).
-pub const FAULT_ENV: &str = "BFPP_FAULT_INJECT";
-
-/// Everything `bfpp train` can fail with. Each message says what to change.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    /// The configuration is inconsistent or out of range.
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    /// The `--config` file is not valid TOML for a `BfppConfig`.
-    #[error(
-        "{}: {message}\n(run `bfpp train --print-config` for the format of every section)",
-        path.display()
-    )]
-    ConfigFile {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message (line, column, key).
-        message: String,
-    },
-    /// A file could not be read.
-    #[error("cannot read `{}`: {source}", path.display())]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O failure.
-        source: io::Error,
-    },
-    /// `BFPP_FAULT_INJECT` is malformed or names a rank that does not exist.
-    #[error("{FAULT_ENV}: {0}")]
-    Fault(String),
-    /// The schedule cannot be built for this layout.
-    #[error(transparent)]
-    Schedule(#[from] ScheduleError),
-    /// The model cannot be built or split.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The data cannot be read or batched.
-    #[error(transparent)]
-    Data(#[from] DataError),
-    /// Training failed (a rank failed, panicked or timed out).
-    #[error("training failed: {0}")]
-    Engine(#[from] EngineError),
-    /// `--hardware` names no preset, or the simulator cannot cost the layout.
-    #[error(transparent)]
-    Sim(#[from] burn_bfpp::sim::SimError),
-    /// A checkpoint could not be saved, loaded or resharded.
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// An output file could not be written.
-    #[error("cannot write `{}`: {source}", path.display())]
-    Write {
-        /// The file.
-        path: PathBuf,
-        /// The I/O failure.
-        source: io::Error,
-    },
-}
-
-/// Parses `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` (the step is 1-based, like
-/// the engine's; `kind` defaults to `error`; `sleep` needs `secs`, the others refuse it).
-pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
-    const FORMAT: &str =
-        "expected `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` with \
-                          S >= 1 (secs only with kind=sleep), e.g. `rank=1,step=2,kind=panic` \
-                          or `rank=1,step=2,kind=sleep,secs=5`";
-    let bad = |why: String| TrainError::Fault(format!("{why}; {FORMAT}"));
-    let (mut rank, mut step, mut kind, mut secs) = (None, None, "error", None);
-    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (key, value) = part
-            .split_once('=')
-            .ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
-        let value = value.trim();
-        let number = || {
-            value
-                .parse::<usize>()
-                .map_err(|_| bad(format!("{key} = `{value}` is not a non-negative integer")))
-        };
-        match key.trim() {
-            "rank" => rank = Some(number()?),
-            "step" => step = Some(number()?),
-            "kind" => {
-                kind = match value {
-                    "error" | "panic" | "nan" | "sleep" | "abort" => value,
-                    other => return Err(bad(format!("unknown kind `{other}`"))),
-                }
-            }
-            "secs" => match value.parse::<f64>() {
-                Ok(t) if t.is_finite() && t >= 0.0 => secs = Some(t),
-                _ => return Err(bad(format!("secs = `{value}` is not a number of seconds"))),
-            },
-            other => return Err(bad(format!("unknown key `{other}`"))),
-        }
-    }
-    let kind = match (kind, secs) {
-        ("sleep", Some(t)) => FaultKind::Sleep(Duration::from_secs_f64(t)),
-        ("sleep", None) => return Err(bad("kind=sleep needs secs=T".into())),
-        (other, Some(_)) => return Err(bad(format!("secs goes with kind=sleep, not {other}"))),
-        ("panic", None) => FaultKind::Panic,
-        ("nan", None) => FaultKind::NonFinite,
-        ("abort", None) => FaultKind::Abort,
-        _ => FaultKind::Error,
-    };
-    match (rank, step) {
-        (Some(rank), Some(step)) if step >= 1 => Ok(Fault { rank, step, kind }),
-        (Some(_), Some(_)) => Err(bad("step 0 is not an optimizer step".into())),
-        _ => Err(bad(format!("`{text}` lacks rank or step"))),
-    }
-}
-
-/// The fault from the environment, if the variable is set (and not empty).
-fn fault_from_env() -> Result<Option<Fault>, TrainError> {
-    match std::env::var(FAULT_ENV) {
-        Ok(text) if !text.trim().is_empty() => parse_fault(&text).map(Some),
-        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            Err(TrainError::Fault("the value is not valid UTF-8".into()))
-        }
-    }
-}
+use super::error::{CliError, TrainError};
+use super::fault::fault_from_env;
+use super::output::write_output;
+use super::predict::{predict, resolve_hardware};
+use super::report::{self, render, Header, Progress};
 
 /// Runs `bfpp train`.
-pub fn run(args: &TrainArgs) -> Result<(), super::CliError> {
+pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     match execute(args)? {
         Some(text) => write_output(None, &text),
         None => Ok(()),
@@ -281,6 +155,8 @@ fn train_on<B: CliBackend>(
         trainer = trainer.inject_fault(fault);
     }
     let devices = world.devices_used();
+    let transports =
+        world.transports(RankGrid::new(train.pp, train.dp).map_err(EngineError::from)?);
     let outcome = world.fit(trainer, &model, data);
     progress.finish();
     let Some(outcome) = outcome? else {
@@ -295,7 +171,8 @@ fn train_on<B: CliBackend>(
         corpus.entropy_rate(),
         files,
         progress.metrics_path(),
-    );
+    )
+    .with_transports(transports.text());
     Ok(Some(render(
         args,
         &summary,
@@ -304,68 +181,4 @@ fn train_on<B: CliBackend>(
         tokens_per_step,
     ))
     .flatten())
-}
-
-/// The end of a run on standard output: the summary as text or JSON, with the measured
-/// beside the predicted figures when `--hardware` was given; nothing under `--quiet`.
-pub fn render(
-    args: &TrainArgs,
-    summary: &report::Summary,
-    prediction: Option<&Prediction>,
-    devices: usize,
-    tokens_per_step: usize,
-) -> Option<String> {
-    let measured = MeasuredStep {
-        step_s: summary.steady_step_s(),
-        devices,
-    };
-    if args.json {
-        let mut doc = summary.json_value();
-        if let (Some(p), Some(fields)) = (prediction, doc.as_object_mut()) {
-            fields.insert("hardware".into(), p.json(measured));
-        }
-        Some(format!("{doc}\n"))
-    } else if args.quiet {
-        None
-    } else {
-        let mut text = summary.text();
-        if let Some(p) = prediction {
-            text += &p.text(measured, tokens_per_step);
-        }
-        Some(text)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn faults_parse() {
-        let f = parse_fault("rank=1,step=3").expect("valid");
-        assert_eq!((f.rank, f.step, f.kind), (1, 3, FaultKind::Error));
-        let kind = |text: &str| parse_fault(text).expect(text).kind;
-        assert_eq!(kind(" rank = 0 , step=1, kind=panic "), FaultKind::Panic);
-        assert_eq!(kind("rank=0,step=1,kind=nan"), FaultKind::NonFinite);
-        assert_eq!(
-            kind("rank=0,step=1,kind=sleep,secs=2.5"),
-            FaultKind::Sleep(Duration::from_millis(2500))
-        );
-        for bad in [
-            "",
-            "rank=1",
-            "rank=1,step=0",
-            "rank=x,step=1",
-            "rank=1,step=1,kind=boom",
-            "rank=1,step=1,when=now",
-            "rank1,step=1",
-            "rank=1,step=1,kind=sleep",
-            "rank=1,step=1,kind=nan,secs=1",
-            "rank=1,step=1,kind=sleep,secs=-1",
-            "rank=1,step=1,kind=sleep,secs=soon",
-        ] {
-            let err = parse_fault(bad).expect_err(bad).to_string();
-            assert!(err.contains("rank=R,step=S"), "{bad}: {err}");
-        }
-    }
 }
