@@ -57,7 +57,7 @@ mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_group;
 mod nccl_host;
-pub mod pending;
+mod pending;
 mod process;
 mod store;
 mod threads;

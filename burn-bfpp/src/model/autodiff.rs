@@ -127,7 +127,7 @@ pub(crate) fn notice_serial_autodiff(ranks: usize) {
 /// (the data is shared, not copied), the same [`burn::module::ParamId`]s and the same
 /// `require_grad` flags. Run each micro-batch's forward on its own copy and read that
 /// micro-batch's parameter gradients from it (see the module docs for why).
-pub fn fresh_leaves<B: Backend, M: Module<B>>(module: &M) -> M {
+pub(crate) fn fresh_leaves<B: Backend, M: Module<B>>(module: &M) -> M {
     struct Releaf;
     impl<B: Backend> ModuleMapper<B> for Releaf {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -140,7 +140,7 @@ pub fn fresh_leaves<B: Backend, M: Module<B>>(module: &M) -> M {
 }
 
 /// Makes a received activation the leaf a stage's graph starts from (`detach().require_grad()`).
-pub fn input_leaf<B: AutodiffBackend>(hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+pub(crate) fn input_leaf<B: AutodiffBackend>(hidden: Tensor<B, 3>) -> Tensor<B, 3> {
     hidden.detach().require_grad()
 }
 
@@ -149,7 +149,7 @@ pub fn input_leaf<B: AutodiffBackend>(hidden: Tensor<B, 3>) -> Tensor<B, 3> {
 /// Computes the gradients of `(output · grad_output).sum()`; `grad_output` is used as a
 /// constant (it lives on the inner backend, so it carries no graph). Fails without running
 /// anything if the shapes differ.
-pub fn stage_backward<B: AutodiffBackend>(
+pub(crate) fn stage_backward<B: AutodiffBackend>(
     output: &Tensor<B, 3>,
     grad_output: Tensor<B::InnerBackend, 3>,
 ) -> Result<B::Gradients, ModelError> {
@@ -166,13 +166,13 @@ pub fn stage_backward<B: AutodiffBackend>(
 
 /// Backward of the last stage from its loss, scaled by `scale` (use `1 / micro-batches` so
 /// the gradients summed over micro-batches are those of the mean loss).
-pub fn loss_backward<B: AutodiffBackend>(loss: &Tensor<B, 1>, scale: f64) -> B::Gradients {
+pub(crate) fn loss_backward<B: AutodiffBackend>(loss: &Tensor<B, 1>, scale: f64) -> B::Gradients {
     loss.clone().mul_scalar(scale).backward()
 }
 
 /// The gradient of a stage's input leaf (made by [`input_leaf`]); zeros if the stage did not
 /// use its input, which is the correct gradient in that case.
-pub fn input_grad<B: AutodiffBackend>(
+pub(crate) fn input_grad<B: AutodiffBackend>(
     leaf: &Tensor<B, 3>,
     grads: &B::Gradients,
 ) -> Tensor<B::InnerBackend, 3> {

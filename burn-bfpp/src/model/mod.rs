@@ -271,7 +271,7 @@ pub fn run_stages<B: Backend, S: PipelineStage<B>>(
 }
 
 /// Checks that `ranges` are non-empty, contiguous and cover exactly `0..num_layers`.
-pub fn check_split(ranges: &[Range<usize>], num_layers: usize) -> Result<(), ModelError> {
+pub(crate) fn check_split(ranges: &[Range<usize>], num_layers: usize) -> Result<(), ModelError> {
     let mut next = 0;
     for (stage, r) in ranges.iter().enumerate() {
         if r.start != next || r.is_empty() {
@@ -291,7 +291,7 @@ pub fn check_split(ranges: &[Range<usize>], num_layers: usize) -> Result<(), Mod
 }
 
 /// Checks that `layers` is a non-empty range inside `0..num_layers` (for [`PipelineModel::stage`]).
-pub fn check_range(layers: &Range<usize>, num_layers: usize) -> Result<(), ModelError> {
+pub(crate) fn check_range(layers: &Range<usize>, num_layers: usize) -> Result<(), ModelError> {
     if layers.is_empty() || layers.end > num_layers {
         return Err(ModelError::Split(format!(
             "layer range {layers:?} is empty or outside the model's layers 0..{num_layers}"

@@ -1,0 +1,302 @@
+//! The public surface of the library crates is a reviewed list (issue 42): `docs/public-api.txt`
+//! holds every item a user's crate can name in `burn_bfpp` and `cubecl_kernels` (modules,
+//! types, traits, functions, constants, re-exports, and the `pub fn`s of inherent impls under
+//! each public path of their type), with the features that gate its module left aside. This
+//! test derives the list from the sources and fails on any difference, naming the lines added
+//! and removed, so that a change to the surface shows in review. After a deliberate change:
+//!
+//!     BFPP_BLESS_PUBLIC_API=1 cargo test --test public_api
+//!
+//! The list is read from the source text (a `pub` item of a public module, a `pub use` at a
+//! public module's top, a `pub fn` in an `impl Type` block anywhere in the crate): methods are
+//! put under every public path of an item of their type's name, and trait methods
+//! and struct fields are not listed (the trait and the struct are).
+
+mod source;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use source::{expand_use_named, lines_with_scope, rust_files, strip_comments, Tree};
+
+/// The library crates: name in paths, source folder.
+const LIBRARIES: [(&str, &str); 2] = [
+    ("burn_bfpp", "burn-bfpp/src"),
+    ("cubecl_kernels", "cubecl-kernels/src"),
+];
+
+/// The checked-in list, relative to the workspace.
+const LIST: &str = "docs/public-api.txt";
+
+/// A file's top-level code lines (not in an inline module, an item body or a test block),
+/// each whole statement or header joined onto one line.
+fn top_level(text: &str) -> Vec<String> {
+    let lines = lines_with_scope(&strip_comments(text));
+    let mut out = Vec::new();
+    let mut depth: i64 = 0;
+    // A `use` declaration that continues on the next lines, until its `;`.
+    let mut open_use: Option<String> = None;
+    for (line, scope) in lines {
+        let before = depth;
+        depth += line.matches('{').count() as i64 - line.matches('}').count() as i64;
+        if let Some(mut statement) = open_use.take() {
+            statement.push_str(line.trim());
+            if statement.contains(';') {
+                out.push(statement);
+            } else {
+                open_use = Some(statement);
+            }
+        } else if before == 0 && scope.is_empty() {
+            let t = line.trim().to_string();
+            if t.starts_with("pub use ") && !t.contains(';') {
+                open_use = Some(t);
+            } else {
+                out.push(t);
+            }
+        }
+    }
+    out
+}
+
+/// `pub` item declarations (not `pub(crate)`): kind and name.
+fn declared_item(line: &str) -> Option<(&'static str, String)> {
+    let rest = line.strip_prefix("pub ")?;
+    let rest = rest
+        .trim_start_matches("unsafe ")
+        .trim_start_matches("async ")
+        .trim_start_matches("extern \"C\" ");
+    let kinds = [
+        ("const fn ", "fn"),
+        ("fn ", "fn"),
+        ("struct ", "struct"),
+        ("enum ", "enum"),
+        ("trait ", "trait"),
+        ("type ", "type"),
+        ("const ", "const"),
+        ("static ", "static"),
+        ("union ", "union"),
+        ("mod ", "mod"),
+    ];
+    kinds.iter().find_map(|(prefix, kind)| {
+        let after = rest.strip_prefix(prefix)?;
+        let name: String = after
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        (!name.is_empty()).then_some((*kind, name))
+    })
+}
+
+/// Every `pub fn` of the inherent impls of a file: (type name, method name).
+fn inherent_methods(text: &str) -> Vec<(String, String)> {
+    let lines = lines_with_scope(&strip_comments(text));
+    let mut out = Vec::new();
+    let mut depth: i64 = 0;
+    let mut header: Option<String> = None;
+    let mut current: Option<String> = None;
+    for (line, _) in lines {
+        let t = line.trim();
+        let before = depth;
+        depth += line.matches('{').count() as i64 - line.matches('}').count() as i64;
+        if before == 0 && (t.starts_with("impl") || header.is_some()) {
+            let text = header.get_or_insert_with(String::new);
+            text.push(' ');
+            text.push_str(t);
+            if depth > 0 {
+                current = header.take().and_then(|h| impl_type(&h));
+            }
+            continue;
+        }
+        if depth == 0 {
+            current = None;
+        }
+        if let (Some(ty), 1) = (&current, before) {
+            if let Some(("fn", name)) = declared_item(t) {
+                out.push((ty.clone(), name));
+            }
+        }
+    }
+    out
+}
+
+/// The type of an inherent impl header (`impl<B: Backend> Foo<B> where … {`), `None` for a
+/// trait impl.
+fn impl_type(header: &str) -> Option<String> {
+    let head = header.split('{').next()?.split(" where").next()?.trim();
+    let mut rest = head.strip_prefix("impl")?;
+    if rest.starts_with('<') {
+        let mut depth = 0;
+        let end = rest.char_indices().find_map(|(i, c)| {
+            match c {
+                '<' => depth += 1,
+                '>' => depth -= 1,
+                _ => {}
+            }
+            (depth == 0).then_some(i)
+        })?;
+        rest = &rest[end + 1..];
+    }
+    if rest.contains(" for ") {
+        return None;
+    }
+    let path = rest.trim().split('<').next()?.trim();
+    Some(path.rsplit("::").next()?.to_string())
+}
+
+/// The public surface of one library crate, one line per item.
+fn surface(krate: &str, src: &Path) -> BTreeSet<String> {
+    let tree = Tree {
+        src: src.to_path_buf(),
+        root: "lib.rs",
+    };
+    let mut items = BTreeSet::new();
+    let mut public: Vec<Vec<String>> = vec![Vec::new()];
+    let mut seen = 0;
+    while seen < public.len() {
+        let module = public[seen].clone();
+        seen += 1;
+        let Some(file) = tree.file(&module) else {
+            continue;
+        };
+        let text = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
+        let prefix = std::iter::once(krate.to_string())
+            .chain(module.iter().cloned())
+            .collect::<Vec<_>>()
+            .join("::");
+        for line in top_level(&text) {
+            if let Some(tree_text) = line.strip_prefix("pub use ") {
+                let tree_text = tree_text.split(';').next().unwrap_or(tree_text);
+                for (path, name) in expand_use_named(tree_text) {
+                    items.insert(format!("{prefix}::{name} (use {path})"));
+                }
+            } else if let Some((kind, name)) = declared_item(&line) {
+                if kind == "mod" {
+                    let mut child = module.clone();
+                    child.push(name.clone());
+                    public.push(child);
+                }
+                items.insert(format!("{prefix}::{name} ({kind})"));
+            }
+        }
+    }
+    // Methods go under each public path of their type's name.
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let mut methods = BTreeSet::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
+        methods.extend(inherent_methods(&text));
+    }
+    let types: Vec<(String, String)> = items
+        .iter()
+        .filter(|line| !line.ends_with("(fn)") && !line.ends_with("(mod)"))
+        .filter_map(|line| {
+            let (path, kind) = line.split_once(' ')?;
+            // A re-export's type keeps its own name (`use a::Inner` bound as `Renamed`).
+            let named = kind
+                .strip_prefix("(use ")
+                .and_then(|k| k.strip_suffix(')'))
+                .unwrap_or(path);
+            Some((named.rsplit("::").next()?.to_string(), path.to_string()))
+        })
+        .collect();
+    for (ty, method) in methods {
+        for (_, path) in types.iter().filter(|(name, _)| *name == ty) {
+            items.insert(format!("{path}::{method} (method)"));
+        }
+    }
+    items
+}
+
+#[test]
+fn the_public_surface_is_the_reviewed_list() {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut current = String::from(
+        "# The public items of burn_bfpp and cubecl_kernels, one per line, generated by\n\
+         # tests/public_api.rs (BFPP_BLESS_PUBLIC_API=1 cargo test --test public_api).\n",
+    );
+    let mut count = 0;
+    for (krate, src) in LIBRARIES {
+        for line in surface(krate, &workspace.join(src)) {
+            current += &line;
+            current.push('\n');
+            count += 1;
+        }
+    }
+    assert!(count > 100, "only {count} public items were found");
+    let path = workspace.join(LIST);
+    if std::env::var_os("BFPP_BLESS_PUBLIC_API").is_some() {
+        std::fs::write(&path, &current).expect("the list is writable");
+        return;
+    }
+    let recorded = std::fs::read_to_string(&path).unwrap_or_default();
+    let lines = |text: &str| -> BTreeSet<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(str::to_string)
+            .collect()
+    };
+    let (now, before) = (lines(&current), lines(&recorded));
+    let added: Vec<&String> = now.difference(&before).collect();
+    let removed: Vec<&String> = before.difference(&now).collect();
+    assert!(
+        added.is_empty() && removed.is_empty(),
+        "the public surface differs from {LIST} ({} items now): review the change, then \
+         regenerate the list with `BFPP_BLESS_PUBLIC_API=1 cargo test --test public_api` and \
+         commit it.\nadded:\n  {}\nremoved:\n  {}",
+        now.len(),
+        added
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join("\n  "),
+        removed
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join("\n  ")
+    );
+}
+
+/// The reader itself on a small crate: public modules are followed, private ones and
+/// `pub(crate)` items are not, re-exports and inherent methods are listed, trait impls not.
+#[test]
+fn the_reader_lists_what_a_user_can_name() {
+    let dir = std::env::temp_dir().join(format!("bfpp-public-api-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let write = |rel: &str, text: &str| {
+        std::fs::write(dir.join(rel), text).expect("write");
+    };
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    write(
+        "lib.rs",
+        "pub mod open;\nmod hidden;\npub use hidden::{Inner as Renamed, helper};\n\
+         pub(crate) fn internal() {}\n",
+    );
+    write(
+        "open.rs",
+        "/// pub fn not_this() {}\npub struct Thing;\nimpl Thing {\n    pub fn make() -> Self { \
+         Thing }\n    fn private(&self) {}\n}\nimpl Clone for Thing {\n    fn clone(&self) -> \
+         Self { Thing }\n}\n#[cfg(test)]\nmod tests {\n    pub fn in_tests() {}\n}\n",
+    );
+    write(
+        "hidden.rs",
+        "pub struct Inner;\nimpl<T> Inner\nwhere\n    T: Copy,\n{\n    pub fn get(&self) {}\n}\n\
+         pub fn helper() {}\npub struct Unexported;\n",
+    );
+    let found: Vec<String> = surface("demo", &dir).into_iter().collect();
+    assert_eq!(
+        found,
+        [
+            "demo::Renamed (use hidden::Inner)",
+            "demo::Renamed::get (method)",
+            "demo::helper (use hidden::helper)",
+            "demo::open (mod)",
+            "demo::open::Thing (struct)",
+            "demo::open::Thing::make (method)",
+        ],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
