@@ -10,7 +10,8 @@
 //!   (docs/multi-node.md).
 //! * **GPU ranks** (`train --backend cuda`) are one process per GPU (local rank → GPU),
 //!   started here with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//!   `MASTER_ADDR`, `MASTER_PORT`, and `BFPP_STORE_PORT` for the rendezvous store); their
+//!   `MASTER_ADDR`, `MASTER_PORT`, `BFPP_STORE_PORT` for the rendezvous store, and the job's
+//!   secret `BFPP_JOB_SECRET`, made here or taken from this environment); their
 //!   data moves over NCCL and a small TCP control channel carries start-up and failures.
 //!   `--nnodes`, `--node-rank` and `--master-*` run one launcher per machine. When a rank
 //!   exits with an error the others stop on their own (they are told, or see its control
@@ -23,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
-use burn_bfpp::comm::{free_local_port, RendezvousEnv};
+use burn_bfpp::comm::{free_local_port, JobSecret, RendezvousEnv, JOB_SECRET_ENV};
 use clap::Args;
 
 /// How long ranks still running after the first failure get to stop on their own.
@@ -119,6 +120,9 @@ pub enum LaunchError {
         /// The I/O failure.
         source: std::io::Error,
     },
+    /// The job's secret cannot be made or read.
+    #[error("{0}")]
+    Secret(String),
     /// No free local port for the ranks' rendezvous.
     #[error("cannot find a free local TCP port for the ranks' rendezvous: {0}")]
     NoPort(std::io::Error),
@@ -251,12 +255,34 @@ fn store_of(args: &LaunchArgs) -> Result<(String, u16, u16), LaunchError> {
     }
 }
 
-/// The command of local rank `local` of this machine, whose job's store is `store`.
+/// The job's secret for the GPU ranks this launch starts: `BFPP_JOB_SECRET` from this
+/// environment when set (the same on every machine of a job over several), else a new one
+/// for a job on this machine alone.
+fn job_secret(
+    args: &LaunchArgs,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<JobSecret, LaunchError> {
+    match lookup(JOB_SECRET_ENV) {
+        Some(text) => JobSecret::from_text(&text).map_err(LaunchError::Secret),
+        None if args.nnodes > 1 => Err(LaunchError::Secret(format!(
+            "--nnodes {} needs the job's secret, the same on every machine: export \
+             {JOB_SECRET_ENV}=$(openssl rand -hex 32) once and pass it to each machine's \
+             `bfpp launch` (one machine alone makes its own)",
+            args.nnodes
+        ))),
+        None => JobSecret::generate()
+            .map_err(|e| LaunchError::Secret(format!("cannot make the job's secret: {e}"))),
+    }
+}
+
+/// The command of local rank `local` of this machine, whose job's store is `store` and
+/// secret `secret`.
 pub fn rank_command(
     exe: &Path,
     args: &LaunchArgs,
     local: usize,
     store: &(String, u16, u16),
+    secret: &JobSecret,
 ) -> Command {
     let place = RendezvousEnv {
         rank: args.node_rank * args.nproc + local,
@@ -265,6 +291,7 @@ pub fn rank_command(
         master_addr: store.0.clone(),
         master_port: store.1,
         store_port: store.2,
+        secret: Some(secret.clone()),
     };
     let mut cmd = Command::new(exe);
     cmd.args(&args.command)
@@ -277,9 +304,10 @@ pub fn rank_command(
 /// first failure (`rank R: STATUS`), if any.
 fn run_per_gpu(exe: &Path, args: &LaunchArgs) -> Result<Option<String>, LaunchError> {
     let store = store_of(args)?;
+    let secret = job_secret(args, |k| std::env::var(k).ok())?;
     let mut children: Vec<Option<Child>> = Vec::with_capacity(args.nproc);
     for local in 0..args.nproc {
-        match rank_command(exe, args, local, &store).spawn() {
+        match rank_command(exe, args, local, &store, &secret).spawn() {
             Ok(child) => children.push(Some(child)),
             Err(source) => {
                 kill_all(&mut children);
@@ -397,7 +425,10 @@ mod tests {
             ..args(&["train", "--backend", "cuda", "--dp", "6"])
         };
         let store = store_of(&gpu).expect("valid flags");
-        let cmd = rank_command(Path::new("/x/bfpp"), &gpu, 2, &store);
+        let shared = "0123456789abcdef0123456789abcdef".to_string();
+        let secret = job_secret(&gpu, |k| (k == JOB_SECRET_ENV).then(|| shared.clone()))
+            .expect("the exported secret");
+        let cmd = rank_command(Path::new("/x/bfpp"), &gpu, 2, &store, &secret);
         let argv: Vec<String> = cmd
             .get_args()
             .map(|a| a.to_string_lossy().into_owned())
@@ -418,6 +449,22 @@ mod tests {
             (read.master_addr.as_str(), read.master_port, read.store_port),
             ("node0", 29_512, 29_513)
         );
+        // Every process gets the job's secret; a job over machines needs it exported.
+        assert_eq!(read.secret, Some(secret));
+        let err = job_secret(&gpu, |_| None)
+            .expect_err("two machines")
+            .to_string();
+        assert!(
+            err.contains(JOB_SECRET_ENV) && err.contains("--nnodes 2"),
+            "{err}"
+        );
+        let alone = LaunchArgs {
+            nnodes: 1,
+            node_rank: 0,
+            ..gpu
+        };
+        let (a, b) = (job_secret(&alone, |_| None), job_secret(&alone, |_| None));
+        assert_ne!(a.expect("made"), b.expect("made"), "each job gets its own");
     }
 
     #[test]

@@ -8,9 +8,14 @@
 //! Start-up uses the launcher's environment ([`RendezvousEnv`]) and the job's
 //! [`TcpStore`] (on `BFPP_STORE_PORT`, by default `MASTER_PORT + 1`): every rank listens on a
 //! port of its own and publishes its address there, then connects to every lower rank and
-//! accepts every higher one, so each pair of ranks shares one connection. Connecting never
-//! waits for the peer to accept (the peer listens before it publishes), so the mesh cannot
-//! deadlock.
+//! accepts every higher one, so each pair of ranks shares one connection. A connecting rank
+//! waits for the peer's challenge (below), which comes once the peer accepts, after its own
+//! connections to lower ranks: rank 0 accepts at once, so every rank gets there in turn and
+//! the mesh cannot deadlock.
+//!
+//! Every connection to a rank's listener first answers a challenge with the job's secret
+//! ([`JobSecret`](super::secret::JobSecret)), then greets with its rank; one that does not
+//! is dropped and logged, and the ranks go on connecting.
 //!
 //! A rank publishes the address it reaches the store from (or `BFPP_ADVERTISE_ADDR`); if a
 //! peer published a loopback address that this rank cannot reach, the error says why.
@@ -151,8 +156,14 @@ impl ControlTransport {
                     loopback_hint(addr, ip)
                 )
             })?;
+            // The peer challenges once it accepts, after connecting to its own lower ranks.
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let answer = store
+                .secret()
+                .respond(&mut stream, CONTROL_PURPOSE, wait)
+                .map_err(|e| format!("rank {peer} at {addr} sent no challenge: {e}"))?;
             stream
-                .write_all(&hello(env.rank))
+                .write_all(&[&answer[..], &hello(env.rank)].concat())
                 .map_err(|e| format!("greeting rank {peer} at {addr}: {e}"))?;
             *slot = Some(stream);
         }
@@ -162,13 +173,15 @@ impl ControlTransport {
         let mut missing = env.world_size - 1 - env.rank;
         while missing > 0 {
             match listener.accept() {
-                Ok((stream, from)) => {
-                    // A stray client (a port scanner, a health check, another job) is
-                    // dropped; the ranks that are expected still have until the deadline.
+                Ok((mut stream, from)) => {
+                    // A stray client (a port scanner, a health check, another job, a program
+                    // without the job's secret) is dropped; the ranks that are expected still
+                    // have until the deadline.
                     let expected = |peer: usize| {
                         peer > env.rank && peer < env.world_size && streams[peer].is_none()
                     };
-                    match greeted_by(&stream, deadline) {
+                    let proven = store.secret().challenge(&mut stream, CONTROL_PURPOSE);
+                    match proven.and_then(|()| greeted_by(&stream, deadline)) {
                         Ok(peer) if expected(peer) => {
                             streams[peer] = Some(stream);
                             missing -= 1;
@@ -277,8 +290,11 @@ fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStre
     }
 }
 
+/// What a control connection's challenge is for (see [`JobSecret`](super::secret::JobSecret)).
+pub(super) const CONTROL_PURPOSE: &[u8] = b"bfpp control";
+
 /// The greeting a connecting rank sends: [`HELLO`] and its world rank.
-fn hello(rank: usize) -> Vec<u8> {
+pub(super) fn hello(rank: usize) -> Vec<u8> {
     let mut bytes = HELLO.to_vec();
     bytes.extend_from_slice(&(rank as u64).to_le_bytes());
     bytes

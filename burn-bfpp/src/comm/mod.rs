@@ -59,6 +59,7 @@ mod nccl_group;
 mod nccl_host;
 mod pending;
 mod process;
+mod secret;
 mod store;
 mod threads;
 #[cfg(any(feature = "cuda", test))]
@@ -95,6 +96,7 @@ pub use nccl_host::NcclHost;
 pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
 pub use pending::{Collective, Pending};
 pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
+pub use secret::{JobSecret, JOB_SECRET_ENV};
 pub use store::{free_local_port, RendezvousEnv, StoreError};
 pub use threads::{run_ranks, ThreadRank, World};
 

@@ -4,9 +4,10 @@
 //!
 //! World rank 0 serves the store (in a background thread) and is also a client of it; every
 //! rank [`set`](TcpStore::set)s and [`get`](TcpStore::get)s byte values by key, `get` waiting
-//! until the key exists or the timeout passes. Nothing is persistent and there is no
-//! authentication: the store lives for the start-up of one job on a trusted network, like
-//! torch's `TCPStore`.
+//! until the key exists or the timeout passes. Nothing is persistent. Every connection must
+//! answer a challenge with the job's secret first ([`super::secret`]); one that does not, or
+//! that sends a malformed frame, is dropped and logged, and the store goes on serving the
+//! job's ranks.
 //!
 //! The store listens on `BFPP_STORE_PORT` of `MASTER_ADDR`, by default `MASTER_PORT + 1`,
 //! never on `MASTER_PORT` itself: under torchrun, that port is its agent's own store
@@ -19,6 +20,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use super::secret::{JobSecret, HANDSHAKE_WAIT, JOB_SECRET_ENV};
+
+/// What a store connection's challenge is for (see [`JobSecret`]).
+const STORE_PURPOSE: &[u8] = b"bfpp store";
 
 /// Why a rendezvous failed; every message names the variable, address or key involved.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +70,9 @@ pub struct RendezvousEnv {
     /// Port of this crate's store on `master_addr`: `BFPP_STORE_PORT`, by default
     /// `master_port + 1`.
     pub store_port: u16,
+    /// The job's secret (`BFPP_JOB_SECRET`), which every connection to the store and to the
+    /// ranks' control listeners must prove it knows; joining fails without it.
+    pub secret: Option<JobSecret>,
 }
 
 /// The port of the store (see the [module docs](self)); default `MASTER_PORT + 1`.
@@ -123,6 +132,10 @@ impl RendezvousEnv {
                 ))
             })?
         };
+        let secret = match get(JOB_SECRET_ENV) {
+            Some(text) => Some(JobSecret::from_text(&text).map_err(StoreError::Env)?),
+            None => None,
+        };
         Ok(Some(RendezvousEnv {
             rank,
             world_size,
@@ -130,6 +143,7 @@ impl RendezvousEnv {
             master_addr,
             master_port,
             store_port,
+            secret,
         }))
     }
 }
@@ -145,20 +159,32 @@ impl RendezvousEnv {
             master_addr: "127.0.0.1".into(),
             master_port: store_port.saturating_sub(1),
             store_port,
+            secret: None,
         }
     }
 
-    /// The torchrun variables that describe this place in the job, and the store's port, for
-    /// starting a process there ([`from_env`](Self::from_env) reads them back).
-    pub fn vars(&self) -> [(&'static str, String); 6] {
-        [
+    /// The same place in a job whose secret is `secret`.
+    pub fn with_secret(mut self, secret: JobSecret) -> Self {
+        self.secret = Some(secret);
+        self
+    }
+
+    /// The torchrun variables that describe this place in the job, the store's port and the
+    /// job's secret, for starting a process there ([`from_env`](Self::from_env) reads them
+    /// back).
+    pub fn vars(&self) -> Vec<(&'static str, String)> {
+        let mut vars = vec![
             ("RANK", self.rank.to_string()),
             ("WORLD_SIZE", self.world_size.to_string()),
             ("LOCAL_RANK", self.local_rank.to_string()),
             ("MASTER_ADDR", self.master_addr.clone()),
             ("MASTER_PORT", self.master_port.to_string()),
             (STORE_PORT_ENV, self.store_port.to_string()),
-        ]
+        ];
+        if let Some(secret) = &self.secret {
+            vars.push((JOB_SECRET_ENV, secret.to_text()));
+        }
+        vars
     }
 }
 
@@ -174,6 +200,7 @@ type Table = Arc<Mutex<HashMap<String, Vec<u8>>>>;
 pub struct TcpStore {
     addr: String,
     timeout: Duration,
+    secret: JobSecret,
     server: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
 
@@ -228,11 +255,45 @@ fn read_frame<T: serde::de::DeserializeOwned>(s: &mut TcpStream) -> std::io::Res
     postcard::from_bytes(&bytes).map_err(std::io::Error::other)
 }
 
-/// Serves one connection: a sequence of requests, each answered.
-fn serve(mut s: TcpStream, table: Table) -> std::io::Result<()> {
+/// A connection the store closed on a client: what a client without the job's secret meets.
+fn explain_closed(e: std::io::Error) -> std::io::Error {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    if matches!(
+        e.kind(),
+        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe
+    ) {
+        std::io::Error::new(
+            e.kind(),
+            format!(
+                "the store closed the connection ({e}): does this process have the job's \
+                 {JOB_SECRET_ENV}?"
+            ),
+        )
+    } else {
+        e
+    }
+}
+
+/// Serves one connection: the challenge, then a sequence of requests, each answered. A
+/// connection that fails the challenge or sends a malformed frame is dropped and logged.
+fn serve(mut s: TcpStream, from: std::net::SocketAddr, table: Table, secret: JobSecret) {
+    if let Err(reason) = secret.challenge(&mut s, STORE_PURPOSE) {
+        tracing::warn!(%from, %reason, "the rendezvous store dropped a connection");
+        return;
+    }
+    if let Err(e) = answer_requests(&mut s, &table) {
+        tracing::warn!(%from, reason = %e, "the rendezvous store dropped a connection");
+    }
+}
+
+/// Answers a connection's requests until it closes.
+fn answer_requests(s: &mut TcpStream, table: &Table) -> std::io::Result<()> {
     loop {
-        let Ok(request) = read_frame::<Request>(&mut s) else {
-            return Ok(()); // client closed, or not speaking the protocol
+        let request = match read_frame::<Request>(s) {
+            Ok(request) => request,
+            // The client closed the connection between requests.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(std::io::Error::other(format!("a malformed frame: {e}"))),
         };
         let response = {
             let mut table = table.lock().unwrap_or_else(|p| p.into_inner());
@@ -244,19 +305,25 @@ fn serve(mut s: TcpStream, table: Table) -> std::io::Result<()> {
                 Request::Get { key } => Response::Value(table.get(&key).cloned()),
             }
         };
-        send_frame(&mut s, &response)?;
+        send_frame(s, &response)?;
     }
 }
 
 impl TcpStore {
     /// Joins the store of `env`'s job: rank 0 starts serving on `0.0.0.0:store_port` first.
-    /// Every later call waits at most `timeout`.
+    /// Every later call waits at most `timeout`. Fails without the job's secret.
     pub fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, StoreError> {
+        let secret = env.secret.clone().ok_or_else(|| {
+            StoreError::Env(format!(
+                "{JOB_SECRET_ENV} is not set: every process of the job needs the same secret to                  join its rendezvous; `bfpp launch` makes one, and under torchrun or srun the                  job script exports it (`export {JOB_SECRET_ENV}=$(openssl rand -hex 32)`)"
+            ))
+        })?;
         let addr = format!("{}:{}", env.master_addr, env.store_port);
         let server = if env.rank == 0 {
             Some(Self::serve_on(
                 &format!("0.0.0.0:{}", env.store_port),
                 &addr,
+                secret.clone(),
             )?)
         } else {
             None
@@ -264,11 +331,21 @@ impl TcpStore {
         Ok(TcpStore {
             addr,
             timeout,
+            secret,
             server,
         })
     }
 
-    fn serve_on(bind: &str, addr: &str) -> Result<(Arc<AtomicBool>, JoinHandle<()>), StoreError> {
+    /// The job's secret, for the ranks' own listeners.
+    pub(crate) fn secret(&self) -> &JobSecret {
+        &self.secret
+    }
+
+    fn serve_on(
+        bind: &str,
+        addr: &str,
+        secret: JobSecret,
+    ) -> Result<(Arc<AtomicBool>, JoinHandle<()>), StoreError> {
         let io = |source| StoreError::Io {
             addr: addr.to_string(),
             source,
@@ -282,11 +359,11 @@ impl TcpStore {
         let handle = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
                 match listener.accept() {
-                    Ok((s, _)) => {
-                        let table = Arc::clone(&table);
-                        // Connections block; a broken one only ends its own thread.
+                    Ok((s, from)) => {
+                        let (table, secret) = (Arc::clone(&table), secret.clone());
+                        // Connections block; a broken or foreign one only ends its own thread.
                         let _ = s.set_nonblocking(false);
-                        std::thread::spawn(move || serve(s, table));
+                        std::thread::spawn(move || serve(s, from, table, secret));
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
@@ -308,7 +385,9 @@ impl TcpStore {
                 })?;
             let mut last = None;
             for a in addrs {
-                match TcpStream::connect_timeout(&a, Duration::from_secs(1)) {
+                match TcpStream::connect_timeout(&a, Duration::from_secs(1))
+                    .and_then(|s| self.prove(s))
+                {
                     Ok(s) => return Ok(s),
                     Err(e) => last = Some(e),
                 }
@@ -330,6 +409,13 @@ impl TcpStore {
         }
     }
 
+    /// Answers the store's challenge on a new connection.
+    fn prove(&self, mut s: TcpStream) -> std::io::Result<TcpStream> {
+        let answer = self.secret.respond(&mut s, STORE_PURPOSE, HANDSHAKE_WAIT)?;
+        s.write_all(&answer)?;
+        Ok(s)
+    }
+
     /// The address of this machine on the route to the store: where ranks on other nodes can
     /// reach this one (used to publish a rank's own listening address).
     pub fn local_ip(&self) -> Result<std::net::IpAddr, StoreError> {
@@ -346,7 +432,7 @@ impl TcpStore {
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let io = |source| StoreError::Io {
             addr: self.addr.clone(),
-            source,
+            source: explain_closed(source),
         };
         let mut s = self.open(key)?;
         let request = Request::Set {
@@ -366,7 +452,7 @@ impl TcpStore {
     pub fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
         let io = |source| StoreError::Io {
             addr: self.addr.clone(),
-            source,
+            source: explain_closed(source),
         };
         let start = Instant::now();
         let mut s = self.open(key)?;
@@ -402,6 +488,10 @@ impl Drop for TcpStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn test_secret() -> JobSecret {
+        JobSecret::for_tests()
+    }
 
     fn env(vars: &[(&str, &str)]) -> Result<Option<RendezvousEnv>, StoreError> {
         let vars: HashMap<String, String> = vars
@@ -471,6 +561,7 @@ mod tests {
             master_addr: "node0".into(),
             master_port: 29_500,
             store_port: 29_501,
+            secret: Some(test_secret()),
         };
         let vars: HashMap<&str, String> = place.vars().into_iter().collect();
         let read = RendezvousEnv::from_lookup(|k| vars.get(k).cloned());
@@ -501,6 +592,7 @@ mod tests {
                 ("MASTER_PORT", master_port.to_string()),
                 ("TORCHELASTIC_RUN_ID", "none".to_string()),
                 ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string()),
+                (JOB_SECRET_ENV, test_secret().to_text()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
@@ -524,7 +616,7 @@ mod tests {
     fn ranks_exchange_values_through_the_store_on_loopback() {
         // Port 0 is not usable by clients; find a free port first.
         let port = free_local_port().expect("a free port");
-        let at = |rank| RendezvousEnv::on_this_machine(rank, 3, port);
+        let at = |rank| RendezvousEnv::on_this_machine(rank, 3, port).with_secret(test_secret());
         let timeout = Duration::from_secs(5);
         // Clients start before the server exists and wait for it.
         let clients: Vec<_> = (1..3)
@@ -554,5 +646,56 @@ mod tests {
         let short = TcpStore::connect(&at(1), Duration::from_millis(200)).expect("client");
         let err = short.get("never").expect_err("missing key").to_string();
         assert!(err.contains("`never` not set"), "{err}");
+    }
+
+    #[test]
+    fn the_store_drops_connections_without_the_secret_and_keeps_serving() {
+        let port = free_local_port().expect("a free port");
+        let at = |rank| RendezvousEnv::on_this_machine(rank, 2, port).with_secret(test_secret());
+        let timeout = Duration::from_secs(5);
+        let server = TcpStore::connect(&at(0), timeout).expect("server");
+        let addr = ("127.0.0.1", port);
+        // A client that skips the challenge and sends a request straight away.
+        let mut bold = TcpStream::connect(addr).expect("connects");
+        let set = Request::Set {
+            key: "bfpp/control/address/1".into(),
+            value: b"6.6.6.6:1".to_vec(),
+        };
+        send_frame(&mut bold, &set).expect("sent");
+        let mut rest = Vec::new();
+        let _ = bold.read_to_end(&mut rest); // the store hangs up after its challenge
+        assert!(
+            rest.len() <= 16,
+            "the store answered a client without the secret"
+        );
+        // One with the wrong secret, and one that sends garbage after a right answer.
+        let other = JobSecret::generate().expect("random");
+        let wrong = TcpStore::connect(
+            &RendezvousEnv::on_this_machine(1, 2, port).with_secret(other),
+            Duration::from_millis(500),
+        )
+        .expect("joins: the secret is checked per connection");
+        let err = wrong.set("bfpp/x", b"1").expect_err("refused").to_string();
+        assert!(err.contains(JOB_SECRET_ENV), "{err}");
+        let client = TcpStore::connect(&at(1), timeout).expect("client");
+        let mut garbled = client.open("garbage").expect("a proven connection");
+        garbled.write_all(&[0xff; 64]).expect("sent");
+        let _ = garbled.read_to_end(&mut Vec::new());
+        // The job goes on: nothing the intruders sent was stored.
+        client.set("bfpp/x", b"ok").expect("set");
+        assert_eq!(server.get("bfpp/x").expect("get"), b"ok");
+        let short = TcpStore::connect(&at(1), Duration::from_millis(200)).expect("client");
+        let missing = short
+            .get("bfpp/control/address/1")
+            .expect_err("never stored");
+        assert!(missing.to_string().contains("not set"), "{missing}");
+        // Without a secret at all, joining is refused naming the variable and the fix.
+        let none = TcpStore::connect(&RendezvousEnv::on_this_machine(1, 2, port), timeout)
+            .expect_err("no secret")
+            .to_string();
+        assert!(
+            none.contains(JOB_SECRET_ENV) && none.contains("openssl rand"),
+            "{none}"
+        );
     }
 }

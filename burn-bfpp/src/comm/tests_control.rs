@@ -4,7 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::control::MAX_CONTROL_TENSOR_BYTES;
+use super::control::{hello, CONTROL_PURPOSE, MAX_CONTROL_TENSOR_BYTES};
+use super::secret::JobSecret;
 use super::store::TcpStore;
 use super::tests::{tensor1, values, B};
 use super::*;
@@ -16,7 +17,7 @@ fn free_port() -> u16 {
 
 /// The launcher's variables of world rank `rank` of `world_size`.
 fn env(rank: usize, world_size: usize, port: u16) -> RendezvousEnv {
-    RendezvousEnv::on_this_machine(rank, world_size, port)
+    RendezvousEnv::on_this_machine(rank, world_size, port).with_secret(JobSecret::for_tests())
 }
 
 /// Connects a `pp × dp` world over TCP, one thread per rank, and runs `f` on every rank;
@@ -319,6 +320,69 @@ fn a_stray_connection_at_start_up_does_not_break_the_world() {
     });
     for (rank, result) in results.iter().enumerate() {
         assert!(result.is_ok(), "rank {rank}: {result:?}");
+    }
+}
+
+/// A program with another job's secret that greets rank 0 as rank 1, before rank 1 does, is
+/// not taken for rank 1: the world forms with the real rank 1 and works.
+#[test]
+fn a_connection_with_another_jobs_secret_is_not_admitted() {
+    let grid = RankGrid::new(2, 1).expect("valid grid");
+    let port = free_port();
+    let config = CommConfig::with_timeout(Duration::from_secs(20));
+    let results = std::thread::scope(|scope| {
+        let rank0 = scope.spawn(move || {
+            let comm =
+                ControlComm::<B>::connect(&env(0, 2, port), grid, Default::default(), config)?;
+            comm.barrier(Group::Pipeline)?;
+            comm.all_reduce(
+                Group::Pipeline,
+                tensor1(vec![1.0], comm.device()),
+                ReduceOp::Sum,
+            )
+            .map(values)
+        });
+        let store = TcpStore::connect(&env(1, 2, port), Duration::from_secs(20)).expect("store");
+        let published = store
+            .get("bfpp/control/address/0")
+            .expect("rank 0 publishes");
+        let addr: std::net::SocketAddr = String::from_utf8_lossy(&published)
+            .parse()
+            .expect("an address");
+        let mut impostor = std::net::TcpStream::connect(addr).expect("the port is open");
+        let other = JobSecret::generate().expect("random");
+        let answer = other
+            .respond(&mut impostor, CONTROL_PURPOSE, Duration::from_secs(20))
+            .expect("rank 0 challenges");
+        std::io::Write::write_all(&mut impostor, &[&answer[..], &hello(1)].concat())
+            .expect("write");
+        // Rank 0 hangs up on it.
+        let mut rest = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut impostor, &mut rest);
+        assert!(
+            rest.is_empty(),
+            "rank 0 sent {} bytes to the impostor",
+            rest.len()
+        );
+        let rank1 = scope.spawn(move || {
+            let comm =
+                ControlComm::<B>::connect(&env(1, 2, port), grid, Default::default(), config)?;
+            comm.barrier(Group::Pipeline)?;
+            comm.all_reduce(
+                Group::Pipeline,
+                tensor1(vec![2.0], comm.device()),
+                ReduceOp::Sum,
+            )
+            .map(values)
+        });
+        [rank0.join(), rank1.join()].map(|r| r.expect("rank thread"))
+    });
+    for (rank, result) in results.iter().enumerate() {
+        assert_eq!(
+            result.as_ref().ok(),
+            Some(&vec![3.0]),
+            "rank {rank}: {result:?}"
+        );
     }
 }
 
