@@ -290,6 +290,17 @@ fn the_rank_that_failed_stays_until_its_peers_have_heard() {
     );
 }
 
+/// Rank 0's control address as rank 1 reads it from the job's store (a world of two).
+fn rank0_address(port: u16) -> std::net::SocketAddr {
+    let store = TcpStore::connect(&env(1, 2, port), Duration::from_secs(20)).expect("store");
+    let published = store
+        .get("bfpp/control/address/0")
+        .expect("rank 0 publishes");
+    String::from_utf8_lossy(&published)
+        .parse()
+        .expect("an address")
+}
+
 #[test]
 fn a_stray_connection_at_start_up_does_not_break_the_world() {
     let grid = RankGrid::new(2, 1).expect("valid grid");
@@ -302,13 +313,7 @@ fn a_stray_connection_at_start_up_does_not_break_the_world() {
             comm.barrier(Group::Pipeline)
         });
         // A client that is not a rank reaches rank 0's published port before rank 1 does.
-        let store = TcpStore::connect(&env(1, 2, port), Duration::from_secs(20)).expect("store");
-        let published = store
-            .get("bfpp/control/address/0")
-            .expect("rank 0 publishes");
-        let addr: std::net::SocketAddr = String::from_utf8_lossy(&published)
-            .parse()
-            .expect("an address");
+        let addr = rank0_address(port);
         let mut stray = std::net::TcpStream::connect(addr).expect("the port is open");
         std::io::Write::write_all(&mut stray, b"GET / HTTP/1.0\r\n\r\n").expect("write");
         let rank1 = scope.spawn(move || {
@@ -323,32 +328,29 @@ fn a_stray_connection_at_start_up_does_not_break_the_world() {
     }
 }
 
+/// Rank `rank` of a world of two on the control channel: a barrier, then the sum of every
+/// rank's `value`.
+fn barrier_and_sum(rank: usize, port: u16, value: f32) -> Result<Vec<f32>, CommError> {
+    let grid = RankGrid::new(2, 1).expect("valid grid");
+    let config = CommConfig::with_timeout(Duration::from_secs(20));
+    let comm = ControlComm::<B>::connect(&env(rank, 2, port), grid, Default::default(), config)?;
+    comm.barrier(Group::Pipeline)?;
+    let sum = comm.all_reduce(
+        Group::Pipeline,
+        tensor1(vec![value], comm.device()),
+        ReduceOp::Sum,
+    );
+    sum.map(values)
+}
+
 /// A program with another job's secret that greets rank 0 as rank 1, before rank 1 does, is
 /// not taken for rank 1: the world forms with the real rank 1 and works.
 #[test]
 fn a_connection_with_another_jobs_secret_is_not_admitted() {
-    let grid = RankGrid::new(2, 1).expect("valid grid");
     let port = free_port();
-    let config = CommConfig::with_timeout(Duration::from_secs(20));
     let results = std::thread::scope(|scope| {
-        let rank0 = scope.spawn(move || {
-            let comm =
-                ControlComm::<B>::connect(&env(0, 2, port), grid, Default::default(), config)?;
-            comm.barrier(Group::Pipeline)?;
-            comm.all_reduce(
-                Group::Pipeline,
-                tensor1(vec![1.0], comm.device()),
-                ReduceOp::Sum,
-            )
-            .map(values)
-        });
-        let store = TcpStore::connect(&env(1, 2, port), Duration::from_secs(20)).expect("store");
-        let published = store
-            .get("bfpp/control/address/0")
-            .expect("rank 0 publishes");
-        let addr: std::net::SocketAddr = String::from_utf8_lossy(&published)
-            .parse()
-            .expect("an address");
+        let rank0 = scope.spawn(move || barrier_and_sum(0, port, 1.0));
+        let addr = rank0_address(port);
         let mut impostor = std::net::TcpStream::connect(addr).expect("the port is open");
         let other = JobSecret::generate().expect("random");
         let answer = other
@@ -364,17 +366,7 @@ fn a_connection_with_another_jobs_secret_is_not_admitted() {
             "rank 0 sent {} bytes to the impostor",
             rest.len()
         );
-        let rank1 = scope.spawn(move || {
-            let comm =
-                ControlComm::<B>::connect(&env(1, 2, port), grid, Default::default(), config)?;
-            comm.barrier(Group::Pipeline)?;
-            comm.all_reduce(
-                Group::Pipeline,
-                tensor1(vec![2.0], comm.device()),
-                ReduceOp::Sum,
-            )
-            .map(values)
-        });
+        let rank1 = scope.spawn(move || barrier_and_sum(1, port, 2.0));
         [rank0.join(), rank1.join()].map(|r| r.expect("rank thread"))
     });
     for (rank, result) in results.iter().enumerate() {
