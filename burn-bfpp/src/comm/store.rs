@@ -315,7 +315,9 @@ impl TcpStore {
     pub fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, StoreError> {
         let secret = env.secret.clone().ok_or_else(|| {
             StoreError::Env(format!(
-                "{JOB_SECRET_ENV} is not set: every process of the job needs the same secret to                  join its rendezvous; `bfpp launch` makes one, and under torchrun or srun the                  job script exports it (`export {JOB_SECRET_ENV}=$(openssl rand -hex 32)`)"
+                "{JOB_SECRET_ENV} is not set: every process of the job needs the same secret to \
+                 join its rendezvous; `bfpp launch` makes one, and under torchrun or srun the \
+                 job script exports it (`export {JOB_SECRET_ENV}=$(openssl rand -hex 32)`)"
             ))
         })?;
         let addr = format!("{}:{}", env.master_addr, env.store_port);
@@ -489,10 +491,6 @@ impl Drop for TcpStore {
 mod tests {
     use super::*;
 
-    fn test_secret() -> JobSecret {
-        JobSecret::for_tests()
-    }
-
     fn env(vars: &[(&str, &str)]) -> Result<Option<RendezvousEnv>, StoreError> {
         let vars: HashMap<String, String> = vars
             .iter()
@@ -561,7 +559,7 @@ mod tests {
             master_addr: "node0".into(),
             master_port: 29_500,
             store_port: 29_501,
-            secret: Some(test_secret()),
+            secret: Some(JobSecret::for_tests()),
         };
         let vars: HashMap<&str, String> = place.vars().into_iter().collect();
         let read = RendezvousEnv::from_lookup(|k| vars.get(k).cloned());
@@ -592,7 +590,7 @@ mod tests {
                 ("MASTER_PORT", master_port.to_string()),
                 ("TORCHELASTIC_RUN_ID", "none".to_string()),
                 ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string()),
-                (JOB_SECRET_ENV, test_secret().to_text()),
+                (JOB_SECRET_ENV, JobSecret::for_tests().to_text()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
@@ -616,7 +614,9 @@ mod tests {
     fn ranks_exchange_values_through_the_store_on_loopback() {
         // Port 0 is not usable by clients; find a free port first.
         let port = free_local_port().expect("a free port");
-        let at = |rank| RendezvousEnv::on_this_machine(rank, 3, port).with_secret(test_secret());
+        let at = |rank| {
+            RendezvousEnv::on_this_machine(rank, 3, port).with_secret(JobSecret::for_tests())
+        };
         let timeout = Duration::from_secs(5);
         // Clients start before the server exists and wait for it.
         let clients: Vec<_> = (1..3)
@@ -648,10 +648,27 @@ mod tests {
         assert!(err.contains("`never` not set"), "{err}");
     }
 
+    /// What `s` receives until the other side closes or resets it; a connection still open
+    /// after `timeout` fails the test.
+    fn until_hung_up(s: &mut TcpStream, timeout: Duration) -> Vec<u8> {
+        s.set_read_timeout(Some(timeout)).expect("timeout");
+        let (mut got, mut buf) = (Vec::new(), [0u8; 256]);
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return got,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return got,
+                Err(e) => panic!("the store did not hang up: {e}"),
+            }
+        }
+    }
+
     #[test]
     fn the_store_drops_connections_without_the_secret_and_keeps_serving() {
         let port = free_local_port().expect("a free port");
-        let at = |rank| RendezvousEnv::on_this_machine(rank, 2, port).with_secret(test_secret());
+        let at = |rank| {
+            RendezvousEnv::on_this_machine(rank, 2, port).with_secret(JobSecret::for_tests())
+        };
         let timeout = Duration::from_secs(5);
         let server = TcpStore::connect(&at(0), timeout).expect("server");
         let addr = ("127.0.0.1", port);
@@ -662,8 +679,9 @@ mod tests {
             value: b"6.6.6.6:1".to_vec(),
         };
         send_frame(&mut bold, &set).expect("sent");
-        let mut rest = Vec::new();
-        let _ = bold.read_to_end(&mut rest); // the store hangs up after its challenge
+        // The store sends its 16-byte challenge, reads the frame as a wrong answer and hangs
+        // up (a store that kept the connection open would fail the read by its timeout).
+        let rest = until_hung_up(&mut bold, timeout);
         assert!(
             rest.len() <= 16,
             "the store answered a client without the secret"
@@ -680,7 +698,8 @@ mod tests {
         let client = TcpStore::connect(&at(1), timeout).expect("client");
         let mut garbled = client.open("garbage").expect("a proven connection");
         garbled.write_all(&[0xff; 64]).expect("sent");
-        let _ = garbled.read_to_end(&mut Vec::new());
+        let answer = until_hung_up(&mut garbled, timeout);
+        assert!(answer.is_empty(), "the store answered a malformed frame");
         // The job goes on: nothing the intruders sent was stored.
         client.set("bfpp/x", b"ok").expect("set");
         assert_eq!(server.get("bfpp/x").expect("get"), b"ok");
