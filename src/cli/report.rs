@@ -357,8 +357,8 @@ pub struct Summary {
     step_times_s: Vec<f64>,
     /// Tokens one step trains.
     tokens_per_step: usize,
-    /// What carried each kind of traffic between the ranks, when the world said.
-    transports: Option<String>,
+    /// What carried each kind of traffic between the ranks (the `transports` line).
+    transports: String,
 }
 
 /// The median of the steps after the first (kernel compilation, autotuning and allocator
@@ -380,6 +380,7 @@ impl Summary {
         entropy_rate: Option<f64>,
         files: TimelineFiles,
         metrics: &Path,
+        transports: String,
     ) -> Self {
         let steps = outcome.losses.len();
         let elapsed_s = outcome.elapsed.as_secs_f64();
@@ -399,14 +400,8 @@ impl Summary {
             last_step: outcome.last_step.clone(),
             step_times_s: outcome.step_times.clone(),
             tokens_per_step,
-            transports: None,
+            transports,
         }
-    }
-
-    /// The same summary saying what carried each kind of traffic (the `transports` line).
-    pub fn with_transports(mut self, transports: String) -> Self {
-        self.transports = Some(transports);
-        self
     }
 
     /// Seconds of a steady step ([`steady_step`]).
@@ -506,9 +501,7 @@ impl Summary {
             "collectives  {} of each rank's list time (gathers, reductions)\n",
             shares.join(", ")
         );
-        if let Some(transports) = &self.transports {
-            out += &format!("transports   {transports}\n");
-        }
+        out += &format!("transports   {}\n", self.transports);
         out += &format!(
             "param norm   {:.4} (L2 over all parameters)\n",
             self.param_l2_norm

@@ -171,8 +171,8 @@ fn train_on<B: CliBackend>(
         corpus.entropy_rate(),
         files,
         progress.metrics_path(),
-    )
-    .with_transports(transports.text());
+        transports.text(),
+    );
     Ok(Some(render(
         args,
         &summary,

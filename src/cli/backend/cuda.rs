@@ -7,7 +7,7 @@ use burn_bfpp::comm::{
     cuda_driver_available, nccl_available, CommConfig, Communicator, ControlComm, NcclComm,
 };
 
-use super::transports::{nccl_cannot_carry, nccl_thread_transports};
+use super::transports::nccl_thread_transports;
 use super::*;
 
 type Inner = <Autodiff<Cuda> as AutodiffBackend>::InnerBackend;
@@ -173,20 +173,14 @@ impl CliBackend for Autodiff<Cuda> {
             .map(|r| CudaDevice::new(r % request.gpus))
             .collect();
         let grid = RankGrid::new(train.pp, train.dp).map_err(EngineError::from)?;
-        let nccl = nccl_available();
-        if threads_take_nccl(request.comm, grid, request.gpus, nccl.is_ok()) {
-            let transports = nccl_thread_transports(grid, request.gpus);
-            return Ok(CudaWorld::NcclThreads(devices, config, transports));
-        }
-        // Say why `--comm auto` left NCCL aside, where it did.
-        let why_not = (request.comm == CommMode::Auto)
-            .then(|| match nccl {
-                Err(e) => Some(format!("NCCL not used: {e}")),
-                Ok(()) => {
-                    nccl_cannot_carry(grid, request.gpus).map(|why| format!("NCCL not used: {why}"))
-                }
-            })
-            .flatten();
+        let nccl = nccl_available().map_err(|e| e.to_string());
+        let why_not = match threads_take_nccl(request.comm, grid, request.gpus, nccl) {
+            Ok(()) => {
+                let transports = nccl_thread_transports(grid, request.gpus);
+                return Ok(CudaWorld::NcclThreads(devices, config, transports));
+            }
+            Err(why_not) => why_not,
+        };
         Ok(CudaWorld::Threads(
             ThreadWorld::new(world, |r| devices[r].clone()).through_host(why_not),
         ))

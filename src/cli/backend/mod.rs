@@ -286,15 +286,29 @@ mod transports;
 
 pub use transports::Transports;
 
-/// Whether CUDA ranks that are threads take NCCL for their traffic: always with
-/// `--comm nccl` (whose checks then name what does not fit), never with `--comm local`, and
-/// with `--comm auto` wherever NCCL loads (`nccl_loads`) and can carry it
-/// ([`transports::nccl_cannot_carry`]).
+/// Whether CUDA ranks that are threads take NCCL for their traffic: always with `--comm nccl`
+/// (whose checks then name what does not fit), never with `--comm local`, and with
+/// `--comm auto` wherever NCCL loads (`nccl_loads`, else why not) and can carry it
+/// ([`transports::nccl_cannot_carry`]). `Err` holds the summary's note on why `--comm auto`
+/// left NCCL aside (`None` where the user chose).
 #[cfg(any(feature = "cuda", test))]
-pub fn threads_take_nccl(comm: CommMode, grid: RankGrid, gpus: usize, nccl_loads: bool) -> bool {
+pub fn threads_take_nccl(
+    comm: CommMode,
+    grid: RankGrid,
+    gpus: usize,
+    nccl_loads: Result<(), String>,
+) -> Result<(), Option<String>> {
     match comm {
-        CommMode::Nccl => true,
-        CommMode::Auto => nccl_loads && transports::nccl_cannot_carry(grid, gpus).is_none(),
-        CommMode::Local | CommMode::Mpi => false,
+        CommMode::Nccl => Ok(()),
+        CommMode::Auto => {
+            let why_not = nccl_loads
+                .err()
+                .or_else(|| transports::nccl_cannot_carry(grid, gpus));
+            match why_not {
+                Some(why) => Err(Some(format!("NCCL not used: {why}"))),
+                None => Ok(()),
+            }
+        }
+        CommMode::Local | CommMode::Mpi => Err(None),
     }
 }

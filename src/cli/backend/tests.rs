@@ -36,27 +36,38 @@ fn grid(pp: usize, dp: usize) -> RankGrid {
 
 #[test]
 fn auto_takes_nccl_for_cuda_threads_wherever_it_can_carry_the_traffic() {
-    use super::transports::nccl_cannot_carry;
+    let take = |comm, grid, gpus, loads: bool| {
+        let loads = if loads {
+            Ok(())
+        } else {
+            Err("libnccl.so not found".to_string())
+        };
+        threads_take_nccl(comm, grid, gpus, loads)
+    };
     // One replica per GPU, or a pipeline over distinct GPUs: NCCL carries it.
-    assert!(threads_take_nccl(CommMode::Auto, grid(1, 4), 4, true));
-    assert!(threads_take_nccl(CommMode::Auto, grid(2, 2), 4, true));
-    assert!(threads_take_nccl(CommMode::Auto, grid(4, 1), 4, true));
+    assert_eq!(take(CommMode::Auto, grid(1, 4), 4, true), Ok(()));
+    assert_eq!(take(CommMode::Auto, grid(2, 2), 4, true), Ok(()));
+    assert_eq!(take(CommMode::Auto, grid(4, 1), 4, true), Ok(()));
     // dp 2 over 2 GPUs at pp 2: ranks 0,2 (dp group of stage 0) on GPUs 0,0 -> not distinct.
-    let why = nccl_cannot_carry(grid(2, 2), 2).expect("a shared GPU in a dp group");
+    let why = take(CommMode::Auto, grid(2, 2), 2, true).expect_err("a shared GPU in a dp group");
+    let why = why.expect("auto says why");
     assert!(
-        why.contains("distinct GPUs") && why.contains("--gpus 2"),
+        why.starts_with("NCCL not used")
+            && why.contains("distinct GPUs")
+            && why.contains("--gpus 2"),
         "{why}"
     );
-    assert!(!threads_take_nccl(CommMode::Auto, grid(2, 2), 2, true));
     // Everything on one GPU, or one rank: nothing for NCCL to carry.
-    assert!(!threads_take_nccl(CommMode::Auto, grid(4, 1), 1, true));
-    assert!(nccl_cannot_carry(grid(4, 1), 1).is_some_and(|w| w.contains("one GPU")));
-    assert!(!threads_take_nccl(CommMode::Auto, grid(1, 1), 1, true));
-    // NCCL that does not load, or --comm local: host memory.
-    assert!(!threads_take_nccl(CommMode::Auto, grid(1, 4), 4, false));
-    assert!(!threads_take_nccl(CommMode::Local, grid(1, 4), 4, true));
-    // --comm nccl always asks for it (its own checks name what does not fit).
-    assert!(threads_take_nccl(CommMode::Nccl, grid(2, 2), 2, true));
+    let one_gpu = take(CommMode::Auto, grid(4, 1), 1, true).expect_err("one GPU");
+    assert!(one_gpu.is_some_and(|w| w.contains("one GPU")));
+    assert!(take(CommMode::Auto, grid(1, 1), 1, true).is_err());
+    // NCCL that does not load: host memory, saying why.
+    let missing = take(CommMode::Auto, grid(1, 4), 4, false).expect_err("no NCCL");
+    assert!(missing.is_some_and(|w| w.contains("libnccl.so")));
+    // --comm local is the user's choice (no note); --comm nccl always asks for NCCL (its
+    // own checks name what does not fit).
+    assert_eq!(take(CommMode::Local, grid(1, 4), 4, true), Err(None));
+    assert_eq!(take(CommMode::Nccl, grid(2, 2), 2, false), Ok(()));
 }
 
 #[test]

@@ -25,16 +25,13 @@ impl Transports {
     /// Pipeline traffic on `pipeline` and data-parallel traffic on `data_parallel`, each
     /// "none" where the layout has no such traffic (pp 1, dp 1).
     pub fn new(grid: RankGrid, pipeline: &str, data_parallel: &str) -> Self {
-        let carrier = |present: bool, what: &str, none: String| {
-            if present {
-                what.to_string()
-            } else {
-                none
-            }
+        let carrier = |size: usize, what: &str, flag: &str| match size {
+            1 => format!("none ({flag} 1)"),
+            _ => what.to_string(),
         };
         Self {
-            pipeline: carrier(grid.pp() > 1, pipeline, "none (pp 1)".into()),
-            data_parallel: carrier(grid.dp() > 1, data_parallel, "none (dp 1)".into()),
+            pipeline: carrier(grid.pp(), pipeline, "pp"),
+            data_parallel: carrier(grid.dp(), data_parallel, "dp"),
             detail: None,
         }
     }
