@@ -43,13 +43,16 @@ impl Crate {
             let lines = lines_with_scope(&strip_comments(&text));
             let mut facade = HashMap::new();
             let mut named = Vec::new();
-            for (statement, scope, reexport) in use_statements(&lines) {
-                let module = [here.clone(), scope].concat();
-                for path in expand_use(&statement) {
+            for statement in use_statements(&lines) {
+                // A `pub use` at the top of a file is the file's facade; one inside an inline
+                // module is that module's business and counted as an import of the file.
+                let facade_line = !statement.visibility.is_empty() && statement.scope.is_empty();
+                let module = [here.clone(), statement.scope].concat();
+                for path in expand_use(&statement.tree) {
                     let Some(abs) = absolute(&tree, &module, &split(&path)) else {
                         continue;
                     };
-                    if reexport && scope_is_file(&module, &here) {
+                    if facade_line {
                         if let Some(name) = abs.last().filter(|n| n.as_str() != "*") {
                             facade.insert(name.clone(), abs.clone());
                         }
@@ -127,12 +130,6 @@ impl Crate {
             })
             .collect()
     }
-}
-
-/// A `pub use` at the top of a file is the file's facade; one inside an inline module is
-/// that module's business and counted as an import of the file.
-fn scope_is_file(module: &[String], here: &[String]) -> bool {
-    module.len() == here.len()
 }
 
 /// Every set of files that import each other around a loop (strongly connected components

@@ -17,7 +17,9 @@ mod source;
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use source::{expand_use_named, lines_with_scope, rust_files, strip_comments, Tree};
+use source::{
+    expand_use_named, lines_with_scope, rust_files, strip_comments, use_statements, Tree,
+};
 
 /// The library crates: name in paths, source folder.
 const LIBRARIES: [(&str, &str); 2] = [
@@ -28,32 +30,16 @@ const LIBRARIES: [(&str, &str); 2] = [
 /// The checked-in list, relative to the workspace.
 const LIST: &str = "docs/public-api.txt";
 
-/// A file's top-level code lines (not in an inline module, an item body or a test block),
-/// each whole statement or header joined onto one line.
-fn top_level(text: &str) -> Vec<String> {
-    let lines = lines_with_scope(&strip_comments(text));
+/// A file's top-level code lines: not in an inline module or an item's body (test blocks and
+/// comments are gone already).
+fn top_level(lines: &[(String, Vec<String>)]) -> Vec<String> {
     let mut out = Vec::new();
     let mut depth: i64 = 0;
-    // A `use` declaration that continues on the next lines, until its `;`.
-    let mut open_use: Option<String> = None;
     for (line, scope) in lines {
-        let before = depth;
-        depth += line.matches('{').count() as i64 - line.matches('}').count() as i64;
-        if let Some(mut statement) = open_use.take() {
-            statement.push_str(line.trim());
-            if statement.contains(';') {
-                out.push(statement);
-            } else {
-                open_use = Some(statement);
-            }
-        } else if before == 0 && scope.is_empty() {
-            let t = line.trim().to_string();
-            if t.starts_with("pub use ") && !t.contains(';') {
-                open_use = Some(t);
-            } else {
-                out.push(t);
-            }
+        if depth == 0 && scope.is_empty() {
+            out.push(line.trim().to_string());
         }
+        depth += line.matches('{').count() as i64 - line.matches('}').count() as i64;
     }
     out
 }
@@ -164,13 +150,16 @@ fn surface(krate: &str, src: &Path) -> BTreeSet<String> {
             .chain(module.iter().cloned())
             .collect::<Vec<_>>()
             .join("::");
-        for line in top_level(&text) {
-            if let Some(tree_text) = line.strip_prefix("pub use ") {
-                let tree_text = tree_text.split(';').next().unwrap_or(tree_text);
-                for (path, name) in expand_use_named(tree_text) {
+        let lines = lines_with_scope(&strip_comments(&text));
+        for statement in use_statements(&lines) {
+            if statement.visibility == "pub" && statement.scope.is_empty() {
+                for (path, name) in expand_use_named(&statement.tree) {
                     items.insert(format!("{prefix}::{name} (use {path})"));
                 }
-            } else if let Some((kind, name)) = declared_item(&line) {
+            }
+        }
+        for line in top_level(&lines) {
+            if let Some((kind, name)) = declared_item(&line) {
                 if kind == "mod" {
                     let mut child = module.clone();
                     child.push(name.clone());

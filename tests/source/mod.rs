@@ -159,29 +159,49 @@ pub fn lines_with_scope(text: &str) -> Vec<(String, Vec<String>)> {
     out
 }
 
-/// The `use` declarations (whole, across lines) of code lines, each with its scope and
-/// whether it is a re-export.
-pub fn use_statements(lines: &[(String, Vec<String>)]) -> Vec<(String, Vec<String>, bool)> {
+/// A `use` declaration, whole across its lines.
+pub struct UseStatement {
+    /// The tree after `use`, up to the `;`.
+    pub tree: String,
+    /// The inline modules it sits in.
+    pub scope: Vec<String>,
+    /// What stands before `use`: empty, `pub`, `pub(crate)`, …; a re-export when not empty.
+    pub visibility: String,
+}
+
+/// The `use` declarations of code lines.
+pub fn use_statements(lines: &[(String, Vec<String>)]) -> Vec<UseStatement> {
     let mut out = Vec::new();
-    let mut current: Option<(String, Vec<String>, bool)> = None;
+    let mut current: Option<UseStatement> = None;
     for (line, scope) in lines {
         let t = line.trim();
-        if current.is_none() {
-            let reexport =
-                t.starts_with("pub use ") || (t.starts_with("pub(") && t.contains(") use "));
-            let Some(i) = t.find("use ") else { continue };
-            if !(t.starts_with("use ") || reexport) {
-                continue;
+        let statement = match current.take() {
+            Some(mut open) => {
+                open.tree.push_str(t);
+                open
             }
-            current = Some((t[i + 4..].to_string(), scope.clone(), reexport));
-        } else if let Some((text, _, _)) = current.as_mut() {
-            text.push_str(t);
-        }
-        if let Some((text, scope, reexport)) = current.take() {
-            match text.find(';') {
-                Some(end) => out.push((text[..end].to_string(), scope, reexport)),
-                None => current = Some((text, scope, reexport)),
+            None => {
+                let Some(i) = t.find("use ") else { continue };
+                let visibility = t[..i].trim();
+                let is_visibility = visibility.is_empty()
+                    || visibility == "pub"
+                    || (visibility.starts_with("pub(") && visibility.ends_with(')'));
+                if !is_visibility {
+                    continue;
+                }
+                UseStatement {
+                    tree: t[i + 4..].to_string(),
+                    scope: scope.clone(),
+                    visibility: visibility.to_string(),
+                }
             }
+        };
+        match statement.tree.find(';') {
+            Some(end) => out.push(UseStatement {
+                tree: statement.tree[..end].to_string(),
+                ..statement
+            }),
+            None => current = Some(statement),
         }
     }
     out
