@@ -5,13 +5,20 @@
 //! tensors of more than [`MAX_CONTROL_TENSOR_BYTES`] are refused (the data of GPU ranks moves
 //! over NCCL, that of CPU processes over MPI, that of threads through memory).
 //!
+//! The ranks form a tree rooted at rank 0 ([`tree`]: four children per rank), and a message
+//! travels the tree path from its sender to its receiver, passed on by the ranks between
+//! ([`links`]). So each rank holds at most five connections and ten I/O threads whatever the
+//! size of the world, where a full mesh would need a connection and two threads per other rank
+//! (1,023 sockets and 2,046 threads at 1,024 GPUs). The control plane carries little (ids,
+//! barriers, abort notices), so the extra hops cost nothing that matters.
+//!
 //! Start-up uses the launcher's environment ([`RendezvousEnv`]) and the job's
-//! [`TcpStore`] (on `BFPP_STORE_PORT`, by default `MASTER_PORT + 1`): every rank listens on a
-//! port of its own and publishes its address there, then connects to every lower rank and
-//! accepts every higher one, so each pair of ranks shares one connection. A connecting rank
-//! waits for the peer's challenge (below), which comes once the peer accepts, after its own
-//! connections to lower ranks: rank 0 accepts at once, so every rank gets there in turn and
-//! the mesh cannot deadlock.
+//! [`TcpStore`] (on `BFPP_STORE_PORT`, by default `MASTER_PORT + 1`): every rank with
+//! children listens on a port of its own and publishes its address there, then each rank
+//! connects to its parent and accepts its children. A connecting rank waits for the parent's
+//! challenge (below), which comes once the parent accepts, after its own connection to its
+//! parent: rank 0 accepts at once, so every level gets there in turn and start-up cannot
+//! deadlock.
 //!
 //! Every connection to a rank's listener first answers a challenge with the job's secret
 //! ([`JobSecret`](super::secret::JobSecret)), then greets with its rank; one that does not
@@ -20,14 +27,15 @@
 //! A rank publishes the address it reaches the store from (or `BFPP_ADVERTISE_ADDR`); if a
 //! peer published a loopback address that this rank cannot reach, the error says why.
 //!
-//! Each connection has a reader thread, which turns the length-prefixed frames into
-//! [`Incoming`] messages (and the end of the connection into [`Incoming::Lost`], so a wait on
-//! a process that died fails at once), and a writer thread, so that posting never blocks on a
-//! slow peer.
+//! A rank that is done (its transport dropped) tells every rank it posts nothing more, so a
+//! wait on it fails at once, as when a process closes its connections; it stays until its
+//! children are done too, forwarding for them (bounded by the communicator's timeout). A
+//! connection that ends early (a process that crashed or was killed) cuts off the rank behind
+//! it and every rank reached through it: waits on them fail at once, naming the rank that is
+//! gone.
 
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,6 +45,12 @@ use burn::tensor::backend::Backend;
 use super::process::{Incoming, ProcessComm, Transport};
 use super::store::{RendezvousEnv, TcpStore};
 use super::{CommConfig, CommError, RankGrid};
+
+mod links;
+mod tree;
+
+use links::Router;
+use tree::Tree;
 
 /// The control channel of a rank of a world of GPU processes: a [`ProcessComm`] over
 /// [`ControlTransport`], created by [`ControlComm::connect`], on which `NcclComm` is layered.
@@ -49,21 +63,21 @@ pub const MAX_CONTROL_TENSOR_BYTES: usize = 64 << 10;
 /// First bytes of every connection, so a stray client is refused instead of misread.
 const HELLO: &[u8; 8] = b"bfpp-ctl";
 
-/// Largest frame accepted (a corrupted length must not allocate the machine's memory).
-const MAX_FRAME: u64 = 1 << 40;
-
-/// Control messages as length-prefixed frames on one TCP connection per pair of ranks.
+/// Control messages as length-prefixed frames, routed along a tree of TCP connections (see
+/// the [module docs](self)).
 pub struct ControlTransport {
     incoming: Receiver<Incoming>,
     /// Messages to this rank itself go straight to its own inbox.
     to_self: Sender<Incoming>,
     rank: usize,
-    /// One writer queue per world rank (`None` for this rank).
-    outgoing: Vec<Option<Sender<Vec<u8>>>>,
-    /// Messages posted and not yet written to their socket.
-    in_flight: Arc<AtomicUsize>,
+    /// Delivers, forwards and posts frames on this rank's connections.
+    router: Arc<Router>,
     /// The connections, to shut them down when the transport is dropped.
     sockets: Vec<TcpStream>,
+    /// How long a finished rank keeps forwarding for children that are not done.
+    forward_limit: Duration,
+    /// Whether the messages in flight were given up (see [`Transport::abandon`]).
+    abandoned: bool,
     /// Kept alive until this rank is done: on world rank 0 it serves the store, which ranks
     /// still connecting may need.
     _store: TcpStore,
@@ -72,7 +86,8 @@ pub struct ControlTransport {
 impl<B: Backend> ProcessComm<B, ControlTransport> {
     /// Joins the world described by `env` (the launcher's variables) as world rank
     /// `env.rank` of `grid`, computing on `device`: publishes this rank's address in the
-    /// job's store and connects to every other rank. Every rank of the world calls it; it
+    /// job's store and connects to its parent and children in the control tree (see the
+    /// [module docs](self)). Every rank of the world calls it; it
     /// waits at most `config.timeout` for the others.
     ///
     /// Fails if the launcher started a world of another size than `grid`, or if the store or
@@ -116,9 +131,17 @@ fn address_key(rank: usize) -> String {
 }
 
 impl ControlTransport {
-    /// Builds the mesh of connections; see the [module docs](self).
+    /// Connects this rank to its parent and children in the tree; see the
+    /// [module docs](self).
     fn connect(env: &RendezvousEnv, timeout: Duration) -> Result<Self, String> {
         let deadline = Instant::now() + timeout;
+        if u32::try_from(env.world_size).is_err() {
+            return Err(format!("a world of {} ranks is too large", env.world_size));
+        }
+        let tree = Tree {
+            rank: env.rank,
+            size: env.world_size,
+        };
         let store = TcpStore::connect(env, timeout).map_err(|e| e.to_string())?;
         // Peers reach this rank at the address it reaches the store from, unless told.
         let ip = match std::env::var(ADVERTISE_ENV) {
@@ -128,137 +151,136 @@ impl ControlTransport {
                 .map_err(|e| format!("{ADVERTISE_ENV}=`{text}` is not an IP address ({e})"))?,
             Err(_) => store.local_ip().map_err(|e| e.to_string())?,
         };
-        let any: std::net::IpAddr = if ip.is_ipv4() {
-            std::net::Ipv4Addr::UNSPECIFIED.into()
+        // Only a rank with children listens.
+        let listener = if tree.children().is_empty() {
+            None
         } else {
-            std::net::Ipv6Addr::UNSPECIFIED.into()
+            let any: std::net::IpAddr = if ip.is_ipv4() {
+                std::net::Ipv4Addr::UNSPECIFIED.into()
+            } else {
+                std::net::Ipv6Addr::UNSPECIFIED.into()
+            };
+            let listener = TcpListener::bind(SocketAddr::new(any, 0))
+                .map_err(|e| format!("cannot listen on a port of {any}: {e}"))?;
+            let port = listener
+                .local_addr()
+                .map_err(|e| format!("cannot read the listening address: {e}"))?
+                .port();
+            let own = SocketAddr::new(ip, port);
+            store
+                .set(&address_key(env.rank), own.to_string().as_bytes())
+                .map_err(|e| e.to_string())?;
+            Some((listener, own))
         };
-        let listener = TcpListener::bind(SocketAddr::new(any, 0))
-            .map_err(|e| format!("cannot listen on a port of {any}: {e}"))?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| format!("cannot read the listening address: {e}"))?
-            .port();
-        let own = SocketAddr::new(ip, port);
-        store
-            .set(&address_key(env.rank), own.to_string().as_bytes())
-            .map_err(|e| e.to_string())?;
 
-        let mut streams: Vec<Option<TcpStream>> = (0..env.world_size).map(|_| None).collect();
-        for (peer, slot) in streams.iter_mut().enumerate().take(env.rank) {
-            let bytes = store.get(&address_key(peer)).map_err(|e| e.to_string())?;
-            let addr: SocketAddr = String::from_utf8_lossy(&bytes)
-                .parse()
-                .map_err(|e| format!("rank {peer} published a malformed address: {e}"))?;
-            let mut stream = connect_until(addr, deadline).map_err(|e| {
-                format!(
-                    "cannot connect to rank {peer} at {addr}: {e}{}",
-                    loopback_hint(addr, ip)
-                )
-            })?;
-            // The peer challenges once it accepts, after connecting to its own lower ranks.
-            let wait = deadline.saturating_duration_since(Instant::now());
-            let answer = store
-                .secret()
-                .respond(&mut stream, CONTROL_PURPOSE, wait)
-                .map_err(|e| format!("rank {peer} at {addr} sent no challenge: {e}"))?;
-            stream
-                .write_all(&[&answer[..], &hello(env.rank)].concat())
-                .map_err(|e| format!("greeting rank {peer} at {addr}: {e}"))?;
-            *slot = Some(stream);
+        let mut links = Vec::new();
+        if let Some(parent) = tree.parent() {
+            links.push((parent, join_parent(&store, env.rank, parent, ip, deadline)?));
         }
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| format!("listening on {own}: {e}"))?;
-        let mut missing = env.world_size - 1 - env.rank;
-        while missing > 0 {
-            match listener.accept() {
-                Ok((mut stream, from)) => {
-                    // A stray client (a port scanner, a health check, another job, a program
-                    // without the job's secret) is dropped; the ranks that are expected still
-                    // have until the deadline.
-                    let expected = |peer: usize| {
-                        peer > env.rank && peer < env.world_size && streams[peer].is_none()
-                    };
-                    let proven = store.secret().challenge(&mut stream, CONTROL_PURPOSE);
-                    match proven.and_then(|()| greeted_by(&stream, deadline)) {
-                        Ok(peer) if expected(peer) => {
-                            streams[peer] = Some(stream);
-                            missing -= 1;
-                        }
-                        Ok(peer) => tracing::warn!(
-                            %from, peer, rank = env.rank,
-                            "ignored a connection claiming an unexpected rank (two jobs on one \
-                             MASTER_PORT?)"
-                        ),
-                        Err(reason) => tracing::warn!(
-                            %from, %reason, rank = env.rank,
-                            "ignored a connection that is not a bfpp rank"
-                        ),
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let waiting: Vec<usize> = (env.rank + 1..env.world_size)
-                            .filter(|&p| streams[p].is_none())
-                            .collect();
-                        return Err(format!(
-                            "ranks {waiting:?} did not connect to {own} within {timeout:?} \
-                             (did they start? is the port reachable from their nodes?)"
-                        ));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => return Err(format!("accepting on {own}: {e}")),
-            }
+        if let Some((listener, own)) = listener {
+            accept_children(&store, &listener, own, tree, deadline, timeout, &mut links)?;
         }
-        Self::start(env.rank, streams, store)
-    }
-
-    /// Starts a reader and a writer thread for every connection.
-    fn start(
-        rank: usize,
-        streams: Vec<Option<TcpStream>>,
-        store: TcpStore,
-    ) -> Result<Self, String> {
         let (to_self, incoming) = mpsc::channel();
-        let in_flight = Arc::new(AtomicUsize::new(0));
-        let mut outgoing = Vec::with_capacity(streams.len());
-        let mut sockets = Vec::new();
-        for (peer, stream) in streams.into_iter().enumerate() {
-            let Some(stream) = stream else {
-                outgoing.push(None);
-                continue;
-            };
-            let clone = |s: &TcpStream| {
-                s.try_clone()
-                    .map_err(|e| format!("connection to rank {peer}: {e}"))
-            };
-            // Frames are small and latency-bound (barriers, abort notices).
-            stream
-                .set_nodelay(true)
-                .and_then(|()| stream.set_nonblocking(false))
-                .and_then(|()| stream.set_read_timeout(None))
-                .map_err(|e| format!("connection to rank {peer}: {e}"))?;
-            let (reader, writer) = (clone(&stream)?, clone(&stream)?);
-            sockets.push(stream);
-            let events = to_self.clone();
-            std::thread::spawn(move || read_frames(peer, reader, events));
-            let (queue, frames) = mpsc::channel::<Vec<u8>>();
-            let count = Arc::clone(&in_flight);
-            std::thread::spawn(move || write_frames(writer, frames, count));
-            outgoing.push(Some(queue));
-        }
+        let (router, sockets) = Router::start(tree, links, to_self.clone())?;
         Ok(ControlTransport {
             incoming,
             to_self,
-            rank,
-            outgoing,
-            in_flight,
+            rank: env.rank,
+            router,
             sockets,
+            forward_limit: timeout,
+            abandoned: false,
             _store: store,
         })
     }
+}
+
+/// Connects to `parent` at the address it published, answers its challenge and greets it as
+/// `rank`.
+fn join_parent(
+    store: &TcpStore,
+    rank: usize,
+    parent: usize,
+    ip: std::net::IpAddr,
+    deadline: Instant,
+) -> Result<TcpStream, String> {
+    let bytes = store.get(&address_key(parent)).map_err(|e| e.to_string())?;
+    let addr: SocketAddr = String::from_utf8_lossy(&bytes)
+        .parse()
+        .map_err(|e| format!("rank {parent} published a malformed address: {e}"))?;
+    let mut stream = connect_until(addr, deadline).map_err(|e| {
+        format!(
+            "cannot connect to rank {parent} at {addr}: {e}{}",
+            loopback_hint(addr, ip)
+        )
+    })?;
+    // The parent challenges once it accepts, after connecting to its own parent.
+    let wait = deadline.saturating_duration_since(Instant::now());
+    let answer = store
+        .secret()
+        .respond(&mut stream, CONTROL_PURPOSE, wait)
+        .map_err(|e| format!("rank {parent} at {addr} sent no challenge: {e}"))?;
+    stream
+        .write_all(&[&answer[..], &hello(rank)].concat())
+        .map_err(|e| format!("greeting rank {parent} at {addr}: {e}"))?;
+    Ok(stream)
+}
+
+/// Accepts every child of `tree`'s rank on `listener` (published as `own`) until `deadline`,
+/// appending them to `links`; connections that do not prove the job's secret, or claim a rank
+/// that is not an expected child, are dropped and logged.
+fn accept_children(
+    store: &TcpStore,
+    listener: &TcpListener,
+    own: SocketAddr,
+    tree: Tree,
+    deadline: Instant,
+    timeout: Duration,
+    links: &mut Vec<(usize, TcpStream)>,
+) -> Result<(), String> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("listening on {own}: {e}"))?;
+    let rank = tree.rank;
+    let waiting = |links: &Vec<(usize, TcpStream)>| -> Vec<usize> {
+        tree.children()
+            .filter(|c| !links.iter().any(|(n, _)| n == c))
+            .collect()
+    };
+    while !waiting(links).is_empty() {
+        match listener.accept() {
+            Ok((mut stream, from)) => {
+                // A stray client (a port scanner, a health check, another job, a program
+                // without the job's secret) is dropped; the ranks that are expected still have
+                // until the deadline.
+                let proven = store.secret().challenge(&mut stream, CONTROL_PURPOSE);
+                match proven.and_then(|()| greeted_by(&stream, deadline)) {
+                    Ok(peer) if waiting(links).contains(&peer) => links.push((peer, stream)),
+                    Ok(peer) => tracing::warn!(
+                        %from, peer, rank,
+                        "ignored a connection claiming an unexpected rank (two jobs on one \
+                         MASTER_PORT?)"
+                    ),
+                    Err(reason) => tracing::warn!(
+                        %from, %reason, rank,
+                        "ignored a connection that is not a bfpp rank"
+                    ),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(format!(
+                        "ranks {:?} did not connect to {own} within {timeout:?} (did they \
+                         start? is the port reachable from their nodes?)",
+                        waiting(links)
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(format!("accepting on {own}: {e}")),
+        }
+    }
+    Ok(())
 }
 
 /// Overrides the address a rank publishes for its peers (its own IP address as they can reach
@@ -326,55 +348,6 @@ fn greeted_by(stream: &TcpStream, deadline: Instant) -> Result<usize, String> {
     usize::try_from(u64::from_le_bytes(rank)).map_err(|e| e.to_string())
 }
 
-/// Reader thread: every frame from `peer` becomes an [`Incoming::Message`]; the end of the
-/// connection becomes one [`Incoming::Lost`].
-fn read_frames(peer: usize, stream: TcpStream, events: Sender<Incoming>) {
-    let mut reader = BufReader::new(stream);
-    let reason = loop {
-        let mut len = [0u8; 8];
-        if let Err(e) = reader.read_exact(&mut len) {
-            break if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                "its process closed the connection".to_string()
-            } else {
-                format!("reading from its connection: {e}")
-            };
-        }
-        let len = u64::from_le_bytes(len);
-        if len > MAX_FRAME {
-            break format!("it sent a frame of {len} bytes (corrupted stream?)");
-        }
-        let mut bytes = vec![0u8; len as usize];
-        if let Err(e) = reader.read_exact(&mut bytes) {
-            break format!("its connection ended inside a message: {e}");
-        }
-        if events
-            .send(Incoming::Message { from: peer, bytes })
-            .is_err()
-        {
-            return; // this rank's transport is gone
-        }
-    };
-    let _ = events.send(Incoming::Lost { from: peer, reason });
-}
-
-/// Writer thread: writes the queued frames in order. After a write error (the peer is gone)
-/// the rest are dropped; the peer's reader side reports the loss.
-fn write_frames(stream: TcpStream, frames: Receiver<Vec<u8>>, in_flight: Arc<AtomicUsize>) {
-    let mut writer = BufWriter::new(stream);
-    let mut broken = false;
-    while let Ok(bytes) = frames.recv() {
-        if !broken {
-            let len = (bytes.len() as u64).to_le_bytes();
-            let written = writer
-                .write_all(&len)
-                .and_then(|()| writer.write_all(&bytes))
-                .and_then(|()| writer.flush());
-            broken = written.is_err();
-        }
-        in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 impl Transport for ControlTransport {
     fn post(&mut self, peer: usize, bytes: Vec<u8>) {
         if peer == self.rank {
@@ -382,12 +355,7 @@ impl Transport for ControlTransport {
             return;
         }
         // Callers check `peer` against the world size first.
-        if let Some(Some(queue)) = self.outgoing.get(peer) {
-            self.in_flight.fetch_add(1, Ordering::AcqRel);
-            if queue.send(bytes).is_err() {
-                self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
+        self.router.post(peer, &bytes);
     }
 
     fn poll(&mut self) -> Option<Incoming> {
@@ -399,23 +367,40 @@ impl Transport for ControlTransport {
     }
 
     fn sends_in_flight(&mut self) -> bool {
-        self.in_flight.load(Ordering::Acquire) > 0
+        self.router.in_flight() > 0
     }
 
     fn abandon(&mut self) {
+        self.abandoned = true;
         // Closing the queues ends the writer threads once they are unblocked below.
-        self.outgoing.clear();
+        self.router.close();
         for socket in &self.sockets {
             let _ = socket.shutdown(Shutdown::Both);
         }
     }
 }
 
+/// Longest wait for this rank's last frames to leave once its children are done.
+const LAST_FRAMES_WAIT: Duration = Duration::from_secs(5);
+
 impl Drop for ControlTransport {
     fn drop(&mut self) {
+        if !self.abandoned {
+            // Every rank learns at once that this one posts nothing more; the ranks below it
+            // may still be talking to the rest of the world through it.
+            self.router.announce_finished();
+            let start = Instant::now();
+            while self.router.open_children() > 0 && start.elapsed() < self.forward_limit {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let start = Instant::now();
+            while self.router.in_flight() > 0 && start.elapsed() < LAST_FRAMES_WAIT {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         // Everything posted has been written (or abandoned): tell the peers this rank is done,
         // and leave the read side open so nothing in flight towards this rank is reset.
-        self.outgoing.clear();
+        self.router.close();
         for socket in &self.sockets {
             let _ = socket.shutdown(Shutdown::Write);
         }

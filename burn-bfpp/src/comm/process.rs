@@ -140,8 +140,8 @@ impl<B: Backend, T: Transport> fmt::Debug for ProcessComm<B, T> {
 }
 
 impl<B: Backend, T: Transport> ProcessComm<B, T> {
-    /// World rank `rank` of `grid`, computing on `device`, over a transport already connected
-    /// to every other rank of the world.
+    /// World rank `rank` of `grid`, computing on `device`, over a transport that already
+    /// reaches every other rank of the world.
     pub(crate) fn new(
         grid: RankGrid,
         rank: usize,
