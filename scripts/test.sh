@@ -72,6 +72,17 @@ if ./target/debug/bfpp train 2>/tmp/bfpp-train-err; then
 fi
 grep -q -- '--features' /tmp/bfpp-train-err
 
+stage "the binary a user builds has no fault injection: cargo build --bin bfpp"
+# Fault injection is the test-only feature `fault-injection`, which the tests' binary gets
+# through a dev-dependency of the package on itself; `cargo build` leaves it out, so its
+# binary must refuse BFPP_FAULT_INJECT, naming the feature, rather than inject or ignore it.
+cargo build --bin bfpp
+if BFPP_FAULT_INJECT=rank=0,step=1 ./target/debug/bfpp train --steps 1 >/dev/null 2>/tmp/bfpp-fault-err; then
+    echo "error: bfpp built without fault-injection trained with BFPP_FAULT_INJECT set" >&2
+    exit 1
+fi
+grep -q -- '--features fault-injection' /tmp/bfpp-fault-err
+
 stage "engine and CLI on the wgpu backend (lavapipe)"
 # The engine and the thread handoff on a CubeCL backend, and `bfpp train --backend wgpu`
 # against the Flex run of the same config; Mesa's software Vulkan stands in for a GPU.

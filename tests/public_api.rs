@@ -1,7 +1,9 @@
 //! The public surface of the library crates is a reviewed list (issue 42): `docs/public-api.txt`
 //! holds every item a user's crate can name in `burn_bfpp` and `cubecl_kernels` (modules,
 //! types, traits, functions, constants, re-exports, and the `pub fn`s of inherent impls under
-//! each public path of their type), with the features that gate its module left aside. This
+//! each public path of their type), with the features that gate its module left aside, but
+//! without the test-only surface (items under `#[cfg(test)]` or the test-only feature
+//! `fault-injection`, which a user's build never has). This
 //! test derives the list from the sources and fails on any difference, naming the lines added
 //! and removed, so that a change to the surface shows in review. After a deliberate change:
 //!
@@ -44,6 +46,62 @@ fn top_level(lines: &[(String, Vec<String>)]) -> Vec<String> {
     out
 }
 
+/// The test-only feature: what it gates is for the crates' own tests, not a user's build.
+const TEST_ONLY_FEATURE: &str = "feature = \"fault-injection\"";
+
+/// Whether an attribute makes the item it stands on test-only: `#[cfg(test)]`, or a `cfg`
+/// that needs the test-only feature (not one that needs it absent).
+fn test_only_attribute(t: &str) -> bool {
+    t.starts_with("#[cfg(")
+        && !t.contains("not(")
+        && (t.starts_with("#[cfg(test)]") || t.contains(TEST_ONLY_FEATURE))
+}
+
+/// Code (without comments) less the items, fields and variants at a file's or a block's top
+/// (depth 0 or 1) that a test-only attribute gates, their attributes included: an item ends
+/// where its braces close, or at its `;` or `,` outside braces.
+fn without_test_only(text: &str) -> String {
+    let mut out = Vec::new();
+    let mut depth: i64 = 0;
+    let mut attributes: Vec<&str> = Vec::new();
+    let mut test_only = false;
+    // The brace balance of the item being left out, and whether it opened a brace.
+    let mut skipping: Option<(i64, bool)> = None;
+    for line in text.lines() {
+        let t = line.trim();
+        let opens = line.matches('{').count() as i64 - line.matches('}').count() as i64;
+        if let Some((balance, braced)) = skipping.as_mut() {
+            *balance += opens;
+            *braced |= line.contains('{');
+            depth += opens;
+            if *balance <= 0 && (*braced || t.ends_with(';') || t.ends_with(',')) {
+                skipping = None;
+            }
+            continue;
+        }
+        if t.starts_with("#[") && depth <= 1 {
+            test_only |= test_only_attribute(t);
+            attributes.push(line);
+            continue;
+        }
+        if test_only && !t.is_empty() {
+            attributes.clear();
+            test_only = false;
+            depth += opens;
+            let braced = line.contains('{');
+            if !(opens <= 0 && (braced || t.ends_with(';') || t.ends_with(','))) {
+                skipping = Some((opens, braced));
+            }
+            continue;
+        }
+        out.append(&mut attributes);
+        out.push(line);
+        depth += opens;
+    }
+    out.append(&mut attributes);
+    out.join("\n")
+}
+
 /// `pub` item declarations (not `pub(crate)`): kind and name.
 fn declared_item(line: &str) -> Option<(&'static str, String)> {
     let rest = line.strip_prefix("pub ")?;
@@ -75,7 +133,7 @@ fn declared_item(line: &str) -> Option<(&'static str, String)> {
 
 /// Every `pub fn` of the inherent impls of a file: (type name, method name).
 fn inherent_methods(text: &str) -> Vec<(String, String)> {
-    let lines = lines_with_scope(&strip_comments(text));
+    let lines = lines_with_scope(&without_test_only(&strip_comments(text)));
     let mut out = Vec::new();
     let mut depth: i64 = 0;
     let mut header: Option<String> = None;
@@ -150,7 +208,7 @@ fn surface(krate: &str, src: &Path) -> BTreeSet<String> {
             .chain(module.iter().cloned())
             .collect::<Vec<_>>()
             .join("::");
-        let lines = lines_with_scope(&strip_comments(&text));
+        let lines = lines_with_scope(&without_test_only(&strip_comments(&text)));
         for statement in use_statements(&lines) {
             if statement.visibility == "pub" && statement.scope.is_empty() {
                 for (path, name) in expand_use_named(&statement.tree) {
@@ -250,7 +308,8 @@ fn the_public_surface_is_the_reviewed_list() {
 }
 
 /// The reader itself on a small crate: public modules are followed, private ones and
-/// `pub(crate)` items are not, re-exports and inherent methods are listed, trait impls not.
+/// `pub(crate)` items are not, re-exports and inherent methods are listed, trait impls not,
+/// and neither are items under `#[cfg(test)]` or the test-only feature.
 #[test]
 fn the_reader_lists_what_a_user_can_name() {
     let dir = std::env::temp_dir().join(format!("bfpp-public-api-{}", std::process::id()));
@@ -267,8 +326,13 @@ fn the_reader_lists_what_a_user_can_name() {
     write(
         "open.rs",
         "/// pub fn not_this() {}\npub struct Thing;\nimpl Thing {\n    pub fn make() -> Self { \
-         Thing }\n    fn private(&self) {}\n}\nimpl Clone for Thing {\n    fn clone(&self) -> \
-         Self { Thing }\n}\n#[cfg(test)]\nmod tests {\n    pub fn in_tests() {}\n}\n",
+         Thing }\n    fn private(&self) {}\n    #[cfg(test)]\n    pub fn for_tests(&self) {}\n    \
+         #[cfg(feature = \"fault-injection\")]\n    pub fn inject(\n        &self,\n    ) {\n    }\n}\n\
+         impl Clone for Thing {\n    fn clone(&self) -> Self { Thing }\n}\n#[cfg(test)]\nmod tests \
+         {\n    pub fn in_tests() {}\n}\n#[cfg(feature = \"fault-injection\")]\n#[derive(Debug)]\n\
+         pub struct Fault {\n    pub rank: usize,\n}\n#[cfg(feature = \"fault-injection\")]\n\
+         #[doc(hidden)]\npub mod testing {\n    pub use super::Thing;\n}\n\
+         #[cfg(not(feature = \"fault-injection\"))]\npub enum NoFault {}\n",
     );
     write(
         "hidden.rs",
@@ -283,6 +347,7 @@ fn the_reader_lists_what_a_user_can_name() {
             "demo::Renamed::get (method)",
             "demo::helper (use hidden::helper)",
             "demo::open (mod)",
+            "demo::open::NoFault (enum)",
             "demo::open::Thing (struct)",
             "demo::open::Thing::make (method)",
         ],

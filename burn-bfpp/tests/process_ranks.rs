@@ -20,10 +20,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use burn_bfpp::comm::testing::{agree_by_all_gather, setup_group, NCCL_ID_BYTES};
 use burn_bfpp::comm::CommBytes;
 use burn_bfpp::comm::{
-    agree_by_all_gather, setup_group, CommConfig, CommOp, Communicator, Group, ProcessComm,
-    RankGrid, ReduceOp, Transport, NCCL_ID_BYTES,
+    CommConfig, CommOp, Communicator, Group, ProcessComm, RankGrid, ReduceOp, Transport,
 };
 use burn_bfpp::engine::{infallible, Fault, FaultKind, TrainConfig, Trainer};
 use burn_bfpp::schedule::{ScheduleKind, ZeroLevel};

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 
 use burn::optim::AdamWConfig;
 use burn_bfpp::data::{BatchConfig, BatchLayout, MarkovConfig, VOCAB_SIZE};
-use burn_bfpp::engine::{EngineError, Fault, LrConfig, TrainConfig};
+use burn_bfpp::engine::{EngineError, LrConfig, TrainConfig};
 use burn_bfpp::model::{GptConfig, ModelSplit};
 use burn_bfpp::schedule::ZeroLevel;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -264,8 +264,8 @@ impl BfppConfig {
     }
 
     /// Checks everything that can be checked without touching data or building a model.
-    /// Every error names the fix. `fault` comes from `BFPP_FAULT_INJECT`.
-    pub fn plan(&self, fault: Option<Fault>) -> Result<Plan, TrainError> {
+    /// Every error names the fix.
+    pub fn plan(&self) -> Result<Plan, TrainError> {
         let (t, m, d, r) = (&self.train, &self.model, &self.data, &self.run);
         for (name, flag, value) in [
             ("pp", "--pp", t.pp),
@@ -323,17 +323,6 @@ impl BfppConfig {
                  --pp 1 --loops 1"
                     .into(),
             ));
-        }
-        if let Some(f) = fault {
-            let world = t.world_size();
-            if f.rank >= world {
-                return Err(TrainError::Fault(format!(
-                    "rank {} does not exist: pp × dp = {world} ranks (0..={}); pick a rank below \
-                     {world}",
-                    f.rank,
-                    world - 1
-                )));
-            }
         }
         // Checks every setting, then generates, lowers and validates the schedule: catches
         // M not allowed by the schedule, K not dividing M, loops for a non-looped schedule,

@@ -108,7 +108,8 @@ pub enum TrainError {
         /// The I/O failure.
         source: io::Error,
     },
-    /// `BFPP_FAULT_INJECT` (or `--fault`) is malformed or names a rank that does not exist.
+    /// `BFPP_FAULT_INJECT` is malformed or names a rank that does not exist, or is set in a
+    /// build without the test-only feature `fault-injection`.
     #[error("{0}")]
     Fault(String),
     /// The schedule cannot be built for this layout.

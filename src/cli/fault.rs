@@ -1,9 +1,18 @@
 //! Faults injected into a training run on purpose (`BFPP_FAULT_INJECT`), so that the tests can
 //! check a failing rank ends every rank with its failure named.
+//!
+//! Only a build with the test-only feature `fault-injection` injects them (the tests build
+//! with it, `cargo build` without). A build without it refuses a set `BFPP_FAULT_INJECT`,
+//! naming the feature, rather than train as if nothing had been asked.
 
+#[cfg(feature = "fault-injection")]
 use std::time::Duration;
 
-use burn_bfpp::engine::{Fault, FaultKind};
+#[cfg(feature = "fault-injection")]
+pub use burn_bfpp::engine::Fault;
+#[cfg(feature = "fault-injection")]
+use burn_bfpp::engine::FaultKind;
+use burn_bfpp::engine::Trainer;
 
 use super::error::TrainError;
 
@@ -11,8 +20,14 @@ use super::error::TrainError;
 /// `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` (`secs` goes with `kind=sleep`).
 pub const FAULT_ENV: &str = "BFPP_FAULT_INJECT";
 
+/// A fault to inject; none can be in a build without the feature `fault-injection`.
+#[cfg(not(feature = "fault-injection"))]
+#[derive(Debug, Clone, Copy)]
+pub enum Fault {}
+
 /// Parses `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` (the step is 1-based, like
 /// the engine's; `kind` defaults to `error`; `sleep` needs `secs`, the others refuse it).
+#[cfg(feature = "fault-injection")]
 pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
     const FORMAT: &str =
         "expected `rank=R,step=S[,kind=error|panic|nan|sleep|abort][,secs=T]` with \
@@ -62,18 +77,56 @@ pub fn parse_fault(text: &str) -> Result<Fault, TrainError> {
     }
 }
 
-/// The fault from the environment, if the variable is set (and not empty).
-pub fn fault_from_env() -> Result<Option<Fault>, TrainError> {
-    match std::env::var(FAULT_ENV) {
-        Ok(text) if !text.trim().is_empty() => parse_fault(&text).map(Some),
-        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(TrainError::Fault(format!(
-            "{FAULT_ENV}: the value is not valid UTF-8"
-        ))),
+/// The fault from the environment, if the variable is set (and not empty), checked against a
+/// world of `world_size` ranks. Without the feature `fault-injection`, a set variable is an
+/// error naming the feature.
+pub fn fault_from_env(world_size: usize) -> Result<Option<Fault>, TrainError> {
+    let text = match std::env::var(FAULT_ENV) {
+        Ok(text) if !text.trim().is_empty() => text,
+        Ok(_) | Err(std::env::VarError::NotPresent) => return Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            return Err(TrainError::Fault(format!(
+                "{FAULT_ENV}: the value is not valid UTF-8"
+            )))
+        }
+    };
+    #[cfg(feature = "fault-injection")]
+    {
+        let fault = parse_fault(&text)?;
+        if fault.rank >= world_size {
+            return Err(TrainError::Fault(format!(
+                "{FAULT_ENV}: rank {} does not exist: pp × dp = {world_size} ranks (0..={}); \
+                 pick a rank below {world_size}",
+                fault.rank,
+                world_size.saturating_sub(1)
+            )));
+        }
+        Ok(Some(fault))
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        let _ = world_size;
+        Err(TrainError::Fault(format!(
+            "{FAULT_ENV} is set (`{}`), but this build of bfpp has no fault injection, a \
+             test-only feature: build with `--features fault-injection` (the tests do), or \
+             unset {FAULT_ENV}",
+            text.trim()
+        )))
     }
 }
 
-#[cfg(test)]
+/// `trainer` with `fault` injected, if there is one.
+pub fn inject<W>(trainer: Trainer<'_, W>, fault: Option<Fault>) -> Trainer<'_, W> {
+    match fault {
+        #[cfg(feature = "fault-injection")]
+        Some(fault) => trainer.inject_fault(fault),
+        #[cfg(not(feature = "fault-injection"))]
+        Some(fault) => match fault {},
+        None => trainer,
+    }
+}
+
+#[cfg(all(test, feature = "fault-injection"))]
 mod tests {
     use super::*;
 

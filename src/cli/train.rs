@@ -16,7 +16,7 @@ use super::backend::{BackendChoice, CliBackend, RankWorld, WorldRequest};
 use super::checkpoint::{prepare, Prepared};
 use super::config::{BfppConfig, Plan};
 use super::error::{CliError, TrainError};
-use super::fault::fault_from_env;
+use super::fault::{self, fault_from_env};
 use super::output::write_output;
 use super::predict::{predict, resolve_hardware};
 use super::report::{self, render, Header, Progress};
@@ -52,12 +52,12 @@ fn train_on<B: CliBackend>(
     args: &TrainArgs,
     cfg: &BfppConfig,
 ) -> Result<Option<String>, TrainError> {
-    let fault = fault_from_env()?;
     let Plan {
         train,
         layout,
         batch,
-    } = cfg.plan(fault)?;
+    } = cfg.plan()?;
+    let fault = fault_from_env(train.world_size())?;
     // Predict first: a layout the simulator cannot cost is refused before any training.
     let prediction = match &args.hardware {
         Some(name) => Some(predict(
@@ -143,7 +143,7 @@ fn train_on<B: CliBackend>(
         let epochs = batcher.epochs_started((r.step - 1) as u64);
         progress.step(r, epochs);
     };
-    let mut trainer = Trainer::new(train.clone())
+    let trainer = Trainer::new(train.clone())
         .on_step(on_step)
         .checkpointing(Checkpointing {
             resume: resume_from,
@@ -151,9 +151,7 @@ fn train_on<B: CliBackend>(
             at_end: sink.is_some(),
             sink: sink.as_ref().map(|s| s as &dyn CheckpointSink),
         });
-    if let Some(fault) = fault {
-        trainer = trainer.inject_fault(fault);
-    }
+    let trainer = fault::inject(trainer, fault);
     let devices = world.devices_used();
     let transports =
         world.transports(RankGrid::new(train.pp, train.dp).map_err(EngineError::from)?);

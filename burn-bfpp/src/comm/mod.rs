@@ -56,11 +56,17 @@ mod mpi;
 mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_group;
+// NCCL's start-up exchanges over a host communicator: for NCCL (feature `cuda`), and for the
+// tests that run them on CPU ranks (`testing`, feature `fault-injection`).
+#[cfg(any(feature = "cuda", feature = "fault-injection", test))]
 mod nccl_host;
 mod pending;
 mod process;
 mod secret;
 mod store;
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub mod testing;
 mod threads;
 #[cfg(any(feature = "cuda", test))]
 mod watchdog;
@@ -92,8 +98,9 @@ pub use local::LocalComm;
 #[cfg(feature = "cuda")]
 pub use nccl::{cuda_driver_available, nccl_available, CudaBackend, NcclComm};
 #[cfg(feature = "cuda")]
+pub(crate) use nccl_host::agree_by_all_gather;
+#[cfg(feature = "cuda")]
 pub use nccl_host::NcclHost;
-pub use nccl_host::{agree_by_all_gather, setup_group, GroupSetup, NCCL_ID_BYTES};
 pub use pending::{Collective, Pending};
 pub use process::{Incoming, ProcessComm, ProcessRank, Transport};
 pub use secret::{JobSecret, JOB_SECRET_ENV};

@@ -310,6 +310,7 @@ impl TrainConfig {
             max_grad_norm: self.max_grad_norm,
             comm_timeout: Duration::from_secs_f64(self.comm_timeout_secs),
             overlap_collectives: self.overlap_collectives,
+            #[cfg(feature = "fault-injection")]
             fault: None,
             on_nonfinite: self.on_nonfinite,
             precision: self.precision,

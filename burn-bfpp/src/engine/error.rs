@@ -56,7 +56,10 @@ pub enum EngineError {
         /// What the data source reported, or what was wrong with its micro-batch.
         reason: String,
     },
-    /// An injected fault (`BFPP_FAULT_INJECT`), for testing failure handling.
+    /// An injected fault (`BFPP_FAULT_INJECT`), for testing failure handling. Only a build
+    /// with the test-only feature `fault-injection` injects faults; the variant is there in
+    /// every build so that the enum is the same whatever the features (Cargo features add,
+    /// and a user's exhaustive `match` must not break when some crate turns one on).
     #[error("injected fault on rank {rank} at step {step}")]
     InjectedFault {
         /// World rank.

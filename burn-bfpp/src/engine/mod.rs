@@ -69,7 +69,9 @@ pub struct StepCounts {
     pub comm_bytes: CommBytes,
 }
 
-/// A fault to inject, for testing that failures stop every rank (`BFPP_FAULT_INJECT`).
+/// A fault to inject, for testing that failures stop every rank (`BFPP_FAULT_INJECT`). Only
+/// with the test-only feature `fault-injection`.
+#[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     /// World rank that fails.
@@ -81,6 +83,7 @@ pub struct Fault {
 }
 
 /// What an injected [`Fault`] does to its rank.
+#[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultKind {
     /// Return [`EngineError::InjectedFault`] at the start of the step.
@@ -99,7 +102,7 @@ pub enum FaultKind {
 }
 
 /// The engine's flat view of a [`TrainConfig`], checked, with the learning rate of every step
-/// computed and the fault to inject (tests).
+/// computed and the fault to inject (tests, feature `fault-injection`).
 #[derive(Debug, Clone)]
 pub(crate) struct EngineConfig {
     /// Optimizer steps of the run (counting those before a resume).
@@ -151,6 +154,7 @@ pub(crate) struct EngineConfig {
     /// Dynamic loss scaling, used with [`Precision::F16`] only.
     pub loss_scaling: LossScaling,
     /// A fault to inject (tests).
+    #[cfg(feature = "fault-injection")]
     pub fault: Option<Fault>,
 }
 

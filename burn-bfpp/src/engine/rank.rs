@@ -11,7 +11,9 @@ use super::shapes::{find_shapes, BatchShapes};
 use super::snapshot::{restore_rank, save_rank, Checkpointing};
 use super::stage::LocalStage;
 use super::timeline::Recorder;
-use super::{EngineConfig, EngineError, FaultKind, StepCounts, StepReport};
+#[cfg(feature = "fault-injection")]
+use super::FaultKind;
+use super::{EngineConfig, EngineError, StepCounts, StepReport};
 use crate::comm::{Communicator, Group};
 use crate::model::autodiff::serial_autodiff;
 use crate::model::{module_to_device, split_described, ModelDescription, PipelineStage};
@@ -185,18 +187,21 @@ where
     let mut skipped_steps = Vec::new();
     let mut last_step = StepCounts::default();
     for step in start + 1..=steps {
-        let fault = cfg.fault.filter(|f| f.rank == rank && f.step == step);
-        match fault.map(|f| f.kind) {
-            Some(FaultKind::Panic) => panic!("injected panic on rank {rank} at step {step}"),
-            Some(FaultKind::Error) => return Err(EngineError::InjectedFault { rank, step }),
-            Some(FaultKind::Sleep(pause)) => std::thread::sleep(pause),
-            Some(FaultKind::Abort) => {
-                eprintln!("rank {rank}: injected abort at step {step}");
-                std::process::abort()
+        #[cfg(feature = "fault-injection")]
+        {
+            let fault = cfg.fault.filter(|f| f.rank == rank && f.step == step);
+            match fault.map(|f| f.kind) {
+                Some(FaultKind::Panic) => panic!("injected panic on rank {rank} at step {step}"),
+                Some(FaultKind::Error) => return Err(EngineError::InjectedFault { rank, step }),
+                Some(FaultKind::Sleep(pause)) => std::thread::sleep(pause),
+                Some(FaultKind::Abort) => {
+                    eprintln!("rank {rank}: injected abort at step {step}");
+                    std::process::abort()
+                }
+                Some(FaultKind::NonFinite) | None => {}
             }
-            Some(FaultKind::NonFinite) | None => {}
+            exec.poison = fault.is_some_and(|f| f.kind == FaultKind::NonFinite);
         }
-        exec.poison = fault.is_some_and(|f| f.kind == FaultKind::NonFinite);
         let lr = cfg.lr.get(step - 1).copied().unwrap_or(0.0);
         let batch = |dp_index: usize, microbatch: usize| {
             let failed = |reason: String| EngineError::Data {

@@ -10,8 +10,8 @@ use super::data::DataSource;
 use super::multiprocess::train_processes;
 use super::thread_world::train_world;
 use super::{
-    Checkpointing, EngineConfig, EngineError, Fault, StepReport, TrainConfig, TrainOutcome,
-    TrainedStages, DEFAULT_TIMELINE_STEPS,
+    Checkpointing, EngineConfig, EngineError, StepReport, TrainConfig, TrainOutcome, TrainedStages,
+    DEFAULT_TIMELINE_STEPS,
 };
 use crate::comm::{Communicator, LocalComm, ProcessRank, RankGrid, ThreadRank};
 use crate::model::{module_to_device, recombine, ModelDescription, PipelineModel, Whole};
@@ -65,7 +65,8 @@ pub struct Trainer<'a, W = Threads> {
     world: W,
     checkpointing: Checkpointing<'a>,
     on_step: Box<dyn Fn(&StepReport) + Sync + 'a>,
-    fault: Option<Fault>,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<super::Fault>,
     stop_after: Option<usize>,
     timeline_steps: usize,
 }
@@ -86,6 +87,7 @@ impl<'a> Trainer<'a, Threads> {
             world: Threads,
             checkpointing: Checkpointing::default(),
             on_step: Box::new(|_| {}),
+            #[cfg(feature = "fault-injection")]
             fault: None,
             stop_after: None,
             timeline_steps: DEFAULT_TIMELINE_STEPS,
@@ -105,6 +107,7 @@ impl<'a, W> Trainer<'a, W> {
             world,
             checkpointing: self.checkpointing,
             on_step: self.on_step,
+            #[cfg(feature = "fault-injection")]
             fault: self.fault,
             stop_after: self.stop_after,
             timeline_steps: self.timeline_steps,
@@ -161,8 +164,9 @@ impl<'a, W> Trainer<'a, W> {
     }
 
     /// Makes a rank fail as told, to test that a failure stops every rank with an error
-    /// naming it.
-    pub fn inject_fault(mut self, fault: Fault) -> Self {
+    /// naming it. Only with the test-only feature `fault-injection`.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(mut self, fault: super::Fault) -> Self {
         self.fault = Some(fault);
         self
     }
@@ -170,7 +174,10 @@ impl<'a, W> Trainer<'a, W> {
     /// The configuration's engine settings and programs, the fault included.
     fn prepare(&self) -> Result<(EngineConfig, PipelineSchedule), EngineError> {
         let mut engine = self.config.engine()?;
-        engine.fault = self.fault;
+        #[cfg(feature = "fault-injection")]
+        {
+            engine.fault = self.fault;
+        }
         engine.stop_after = self.stop_after;
         let program = engine.program()?;
         Ok((engine, program))

@@ -17,9 +17,10 @@
 //!    with respect to `output` is exactly `g`, so by the chain rule every gradient it yields
 //!    is the one the unsplit model would have.
 //! 4. **Hand-off.** [`input_grad`] reads the gradient of the stage's input leaf: that is the
-//!    `g` the previous stage needs. [`flatten_grads`] *of the fresh copy* reads the
-//!    parameters' gradients into one buffer in the layout of [`super::flatten_params`];
-//!    summing those buffers over the micro-batches gives the step's gradient.
+//!    `g` the previous stage needs. The parameters' gradients are read *from the fresh
+//!    copy* (the engine takes each out of the gradients into its stage's flat buffer, in the
+//!    layout of [`super::flatten_params`]; the tests' `flatten_grads` reads them the same
+//!    way); summing those over the micro-batches gives the step's gradient.
 //!
 //! Micro-batches may then run in any order, e.g. breadth-first: every forward of a stage,
 //! then every backward.
@@ -64,7 +65,9 @@
 //! received activations become new leaves ([`input_leaf`]), and everything that crosses
 //! threads is an inner-backend tensor without a graph.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+#[cfg(all(test, feature = "flex"))]
+use burn::module::ModuleVisitor;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 
@@ -182,8 +185,10 @@ pub(crate) fn input_grad<B: AutodiffBackend>(
 
 /// The gradients of all float parameters of `module`, flattened and concatenated in the
 /// layout of [`super::flatten_params`]; a parameter without a gradient (unused, or not
-/// requiring one) contributes zeros so the layout never shifts.
-pub fn flatten_grads<B: AutodiffBackend, M: Module<B>>(
+/// requiring one) contributes zeros so the layout never shifts. The tests' reader of a stage's
+/// gradients.
+#[cfg(all(test, feature = "flex"))]
+pub(crate) fn flatten_grads<B: AutodiffBackend, M: Module<B>>(
     module: &M,
     grads: &B::Gradients,
 ) -> Tensor<B::InnerBackend, 1> {

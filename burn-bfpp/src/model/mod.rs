@@ -16,8 +16,8 @@
 //! Stages are cut from a model built once, so they share its parameter values and
 //! [`ParamId`](burn::module::ParamId)s by construction: a pipelined run starts from exactly the
 //! model a single-device run starts from, and the engine puts trained stages back into it.
-//! [`flatten_params`], [`load_flat`] and [`autodiff::flatten_grads`] move a stage's
-//! parameters and gradients to and from one 1-D buffer for sharding. The [`autodiff`] module
+//! [`flatten_params`] and [`load_flat`] move a stage's parameters to and from one 1-D buffer
+//! for sharding (and its gradients go into one, see [`autodiff`]). The [`autodiff`] module
 //! documents the per-stage backward recipe, including what any engine must follow with Burn
 //! 0.21's autodiff: run each micro-batch's forward on [`autodiff::fresh_leaves`] of its
 //! stage, and never share an autodiff node between threads. [`Gpt`] is the reference model.

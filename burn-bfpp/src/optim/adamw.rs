@@ -217,21 +217,6 @@ impl<B: Backend> ShardOptimizer<B> {
         })
     }
 
-    /// The hyper-parameters.
-    pub fn settings(&self) -> &AdamWSettings {
-        &self.settings
-    }
-
-    /// The shard length this optimizer updates.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the shard has no elements (only for a stage without parameters).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Number of steps taken so far (the `t` of the bias correction of the next step is this
     /// plus one).
     pub fn steps(&self) -> usize {
@@ -254,13 +239,9 @@ impl<B: Backend> ShardOptimizer<B> {
         }
     }
 
-    /// One AdamW step with learning rate `lr` (this step's value from the schedule): returns
-    /// the updated shard and advances the step counter.
-    ///
-    /// `param` and `grad` are this rank's shard of the padded flat parameters and of the
-    /// (already averaged and clipped) gradient. The arithmetic is Burn 0.21's, operation for
-    /// operation (see the [module documentation](self)).
-    pub fn step(
+    /// [`Self::step_clipped`] without clipping (coefficient 1): the tests' step.
+    #[cfg(all(test, feature = "flex"))]
+    pub(crate) fn step(
         &mut self,
         lr: f64,
         param: Tensor<B, 1>,
@@ -269,8 +250,12 @@ impl<B: Backend> ShardOptimizer<B> {
         self.step_clipped(lr, param, grad, 1.0)
     }
 
-    /// [`Self::step`] with the gradient first scaled by `coefficient` (the global-norm
-    /// clipping factor, [`super::clip_grad`]'s operation). Every operation consumes the
+    /// One AdamW step with learning rate `lr` (this step's value from the schedule), the
+    /// gradient first scaled by `coefficient` (the global-norm clipping factor,
+    /// [`super::clip_grad`]'s operation): returns the updated shard and advances the step
+    /// counter. `param` and `grad` are this rank's shard of the padded flat parameters and of
+    /// the (already averaged) gradient. The arithmetic is Burn 0.21's, operation for operation
+    /// (see the [module documentation](self)). Every operation consumes the
     /// buffer it writes where nothing else holds it (the parameters, the moments, the
     /// gradient), so a backend that updates such buffers in place (Burn's CPU backend does)
     /// allocates only the two bias-corrected moments.

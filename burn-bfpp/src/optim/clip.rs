@@ -11,44 +11,28 @@
 //! **The coefficient must be computed identically on every rank**: from the same all-reduced
 //! total (a collective that returns the same value everywhere, or a broadcast of one rank's
 //! value), with the same `max_norm`. Otherwise replicas of a shard would diverge. The
-//! coefficient is then applied to the owned gradient before [`super::ShardOptimizer::step`]
-//! ([`clip_grad`]).
+//! coefficient is then applied to the owned gradient ([`clip_grad`]) by
+//! [`super::ShardOptimizer::step_clipped`].
 //!
 //! # The single-device reference
 //!
 //! A single-device run computes the same quantity as the sum of the squares of all parameter
-//! gradients ([`reference_sq_norm`]), gets the coefficient from the same [`clip_coefficient`],
-//! scales every gradient with [`reference_clip`], and only then calls Burn's optimizer
+//! gradients (the tests' `reference_sq_norm`), gets the coefficient from the same
+//! [`clip_coefficient`], scales every gradient with `reference_clip`, and only then calls
+//! Burn's optimizer
 //! (configured *without* Burn's gradient clipping, which is per parameter tensor). The two
 //! totals are the same sum of squares grouped differently (per shard on the device in `f32`
 //! vs per parameter on the host in `f64`), so they differ by about one `f32` rounding per
 //! shard: a relative 1e-7 of the coefficient, far below the tests' 1e-5.
 
-use std::collections::HashSet;
-
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
-
-use crate::host_read::{read, ReadPurpose};
-
-/// The sum of the squares of a gradient shard's elements, accumulated in `f64` on the host in
-/// element order (deterministic: it does not depend on a device's reduction order): the
-/// single-device reference's norm.
-///
-/// Padding (zeros) contributes nothing. This reads the shard back to the host.
-pub fn sq_norm<B: Backend>(shard: &Tensor<B, 1>) -> f64 {
-    // A reference computation: a read failure is a broken device, not a user error.
-    let data = read(shard.clone(), ReadPurpose::Sync).expect("the shard is readable");
-    // Each `f32` square is exact in `f64` (48 significant bits), so only the additions round.
-    data.iter::<f64>().map(|x| x * x).sum()
-}
 
 /// The sum of the squares of a gradient shard's elements, as a one-element fp32 tensor on the
 /// shard's device: what the engine puts into its step's table, so that the norm costs no
 /// host read of its own. The summation order is the backend's (deterministic on the CPU
-/// backend for a given length); it differs from [`sq_norm`]'s in the last bits only.
+/// backend for a given length); it differs from the host sum in `f64` of the single-device
+/// reference (the tests' `sq_norm`) in the last bits only.
 pub fn sq_norm_on_device<B: Backend>(shard: &Tensor<B, 1>) -> Tensor<B, 1> {
     let shard = if shard.dtype() == DType::F32 {
         shard.clone()
@@ -100,73 +84,6 @@ pub fn clip_grad<B: Backend, const D: usize>(grad: Tensor<B, D>, coefficient: f6
     } else {
         grad.mul_scalar(coefficient)
     }
-}
-
-/// The single-device reference of the global squared gradient norm: the sum over all float
-/// parameters of `module` (in visit order, each parameter once, even if shared) of
-/// [`sq_norm`] of its gradient in `grads`; parameters without a gradient contribute 0.
-pub fn reference_sq_norm<B: AutodiffBackend, M: Module<B>>(
-    module: &M,
-    grads: &GradientsParams,
-) -> f64 {
-    struct SqNorm<'a> {
-        grads: &'a GradientsParams,
-        seen: HashSet<ParamId>,
-        total: f64,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for SqNorm<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if !self.seen.insert(param.id) {
-                return;
-            }
-            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
-                let n = grad.shape().num_elements();
-                self.total += sq_norm(&grad.reshape([n]));
-            }
-        }
-    }
-    let mut visitor = SqNorm {
-        grads,
-        seen: HashSet::new(),
-        total: 0.0,
-    };
-    module.visit(&mut visitor);
-    visitor.total
-}
-
-/// The single-device reference of the clipping: every gradient of `module`'s parameters in
-/// `grads` scaled by `coefficient` with [`clip_grad`] (each parameter once, even if shared).
-pub fn reference_clip<B: AutodiffBackend, M: Module<B>>(
-    module: &M,
-    grads: GradientsParams,
-    coefficient: f64,
-) -> GradientsParams {
-    if coefficient == 1.0 {
-        return grads;
-    }
-    struct Clip {
-        grads: GradientsParams,
-        seen: HashSet<ParamId>,
-        coefficient: f64,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Clip {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if !self.seen.insert(param.id) {
-                return;
-            }
-            if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                self.grads
-                    .register(param.id, clip_grad(grad, self.coefficient));
-            }
-        }
-    }
-    let mut visitor = Clip {
-        grads,
-        seen: HashSet::new(),
-        coefficient,
-    };
-    module.visit(&mut visitor);
-    visitor.grads
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! The contract is equivalence: training sharded must give the parameters that plain
 //! single-device Burn training with [`burn::optim::AdamWConfig`] gives. AdamW is elementwise,
 //! so updating shards separately is the same as updating the whole buffer, provided every
-//! element sees the same arithmetic. [`ShardOptimizer::step`] therefore runs exactly the
+//! element sees the same arithmetic. [`ShardOptimizer::step_clipped`] therefore runs exactly the
 //! tensor operations of Burn 0.21's `AdamW` in the same order with the same scalar types (see
 //! [`adamw`] for the formula and where it comes from); on the same backend the results are
 //! bit-identical to Burn's (the tests measure a maximum relative error of 0).
@@ -24,9 +24,9 @@
 //! 3. sum the table over the world and read it once: every rank adds the slots of every
 //!    distinct part of the model in f64 (in the same order), giving the squared norm of the
 //!    whole model's gradient;
-//! 4. `c = clip_coefficient(total, max_norm)` ([`clip_coefficient`]) and scale the owned
-//!    gradient by `c` ([`clip_grad`]);
-//! 5. `owned = optimizer.step(lr, owned, grad)`.
+//! 4. `c = clip_coefficient(total, max_norm)` ([`clip_coefficient`]);
+//! 5. `owned = optimizer.step_clipped(lr, owned, grad, c)`, which scales the owned gradient
+//!    by `c` ([`clip_grad`]) and updates.
 //!
 //! Two caveats for equivalence with Burn:
 //!
@@ -37,8 +37,8 @@
 //!   is the case for any model whose parameters all take part in the loss.
 //! * Burn's own [`burn::grad_clipping::GradientClippingConfig::Norm`] clips each parameter
 //!   tensor by its *own* norm, not by the global norm. A single-device reference for global
-//!   clipping must therefore not use it; it clips by hand with [`reference_sq_norm`] and
-//!   [`reference_clip`], then calls Burn's AdamW without gradient clipping.
+//!   clipping must therefore not use it; it clips by hand (the optimizer tests'
+//!   `reference_sq_norm` and `reference_clip`), then calls Burn's AdamW without gradient clipping.
 
 pub mod adamw;
 pub mod clip;
@@ -47,9 +47,7 @@ mod schedule;
 mod tests;
 
 pub use adamw::{AdamWSettings, ShardOptimizer};
-pub use clip::{
-    clip_coefficient, clip_grad, reference_clip, reference_sq_norm, sq_norm, sq_norm_on_device,
-};
+pub use clip::{clip_coefficient, clip_grad, sq_norm_on_device};
 pub use schedule::LrSchedule;
 
 /// Everything that can go wrong configuring or running the shard optimizer.

@@ -7,14 +7,17 @@
 //! [`ShardOptimizer::step`] runs Burn's tensor operations in Burn's order, the measured
 //! difference is 0 (bit-identical); the tests allow a relative error of 1e-6.
 
+use std::collections::HashSet;
+
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
 use super::*;
+use crate::host_read::{read, ReadPurpose};
 use crate::model::autodiff::flatten_grads;
 use crate::model::{flatten_params, load_flat};
 
@@ -422,4 +425,84 @@ fn restoring_from_state_continues_identically() {
             ..
         }
     ));
+}
+
+// The single-device reference of global gradient-norm clipping (see `clip`'s module
+// documentation): Burn's own clipping is per parameter tensor, so the reference clips by hand.
+
+/// The sum of the squares of a gradient shard's elements, accumulated in `f64` on the host in
+/// element order (deterministic: it does not depend on a device's reduction order): the
+/// single-device reference's norm.
+///
+/// Padding (zeros) contributes nothing. This reads the shard back to the host.
+fn sq_norm<B: Backend>(shard: &Tensor<B, 1>) -> f64 {
+    // A reference computation: a read failure is a broken device, not a user error.
+    let data = read(shard.clone(), ReadPurpose::Sync).expect("the shard is readable");
+    // Each `f32` square is exact in `f64` (48 significant bits), so only the additions round.
+    data.iter::<f64>().map(|x| x * x).sum()
+}
+
+/// The single-device reference of the global squared gradient norm: the sum over all float
+/// parameters of `module` (in visit order, each parameter once, even if shared) of
+/// [`sq_norm`] of its gradient in `grads`; parameters without a gradient contribute 0.
+fn reference_sq_norm<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &GradientsParams) -> f64 {
+    struct SqNorm<'a> {
+        grads: &'a GradientsParams,
+        seen: HashSet<ParamId>,
+        total: f64,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for SqNorm<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !self.seen.insert(param.id) {
+                return;
+            }
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                let n = grad.shape().num_elements();
+                self.total += sq_norm(&grad.reshape([n]));
+            }
+        }
+    }
+    let mut visitor = SqNorm {
+        grads,
+        seen: HashSet::new(),
+        total: 0.0,
+    };
+    module.visit(&mut visitor);
+    visitor.total
+}
+
+/// The single-device reference of the clipping: every gradient of `module`'s parameters in
+/// `grads` scaled by `coefficient` with [`clip_grad`] (each parameter once, even if shared).
+///
+fn reference_clip<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+    grads: GradientsParams,
+    coefficient: f64,
+) -> GradientsParams {
+    if coefficient == 1.0 {
+        return grads;
+    }
+    struct Clip {
+        grads: GradientsParams,
+        seen: HashSet<ParamId>,
+        coefficient: f64,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Clip {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !self.seen.insert(param.id) {
+                return;
+            }
+            if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads
+                    .register(param.id, clip_grad(grad, self.coefficient));
+            }
+        }
+    }
+    let mut visitor = Clip {
+        grads,
+        seen: HashSet::new(),
+        coefficient,
+    };
+    module.visit(&mut visitor);
+    visitor.grads
 }
