@@ -42,8 +42,14 @@ fn control_rank_process() {
     let env = RendezvousEnv::from_env()
         .expect("launcher variables")
         .expect("RANK is set");
+    // One line per event, appended: the test reads the file while this rank runs.
     let report = |line: String| {
-        std::fs::write(dir.join(format!("rank-{}.txt", env.rank)), line + "\n").expect("report");
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(format!("rank-{}.txt", env.rank)))
+            .expect("report file");
+        std::io::Write::write_all(&mut file, (line + "\n").as_bytes()).expect("report");
     };
     let grid = RankGrid::new(1, env.world_size).expect("grid");
     let config = CommConfig::with_timeout(START_LIMIT);
@@ -68,14 +74,10 @@ fn control_rank_process() {
     while !go.exists() && waiting.elapsed() < START_LIMIT {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let after = match comm.barrier(Group::DataParallel) {
+    report(match comm.barrier(Group::DataParallel) {
         Ok(()) => "after ok".to_string(),
         Err(e) => format!("after error {e}"),
-    };
-    let mut text =
-        std::fs::read_to_string(dir.join(format!("rank-{}.txt", env.rank))).expect("own report");
-    text.push_str(&after);
-    report(text);
+    });
 }
 
 /// This process's threads and sockets, as the kernel lists them.

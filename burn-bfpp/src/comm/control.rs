@@ -36,7 +36,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -67,9 +67,6 @@ const HELLO: &[u8; 8] = b"bfpp-ctl";
 /// the [module docs](self)).
 pub struct ControlTransport {
     incoming: Receiver<Incoming>,
-    /// Messages to this rank itself go straight to its own inbox.
-    to_self: Sender<Incoming>,
-    rank: usize,
     /// Delivers, forwards and posts frames on this rank's connections.
     router: Arc<Router>,
     /// The connections, to shut them down when the transport is dropped.
@@ -180,12 +177,10 @@ impl ControlTransport {
         if let Some((listener, own)) = listener {
             accept_children(&store, &listener, own, tree, deadline, timeout, &mut links)?;
         }
-        let (to_self, incoming) = mpsc::channel();
-        let (router, sockets) = Router::start(tree, links, to_self.clone())?;
+        let (events, incoming) = mpsc::channel();
+        let (router, sockets) = Router::start(tree, links, events)?;
         Ok(ControlTransport {
             incoming,
-            to_self,
-            rank: env.rank,
             router,
             sockets,
             forward_limit: timeout,
@@ -350,12 +345,8 @@ fn greeted_by(stream: &TcpStream, deadline: Instant) -> Result<usize, String> {
 
 impl Transport for ControlTransport {
     fn post(&mut self, peer: usize, bytes: Vec<u8>) {
-        if peer == self.rank {
-            let _ = self.to_self.send(Incoming::Message { from: peer, bytes });
-            return;
-        }
         // Callers check `peer` against the world size first.
-        self.router.post(peer, &bytes);
+        self.router.post(peer, bytes);
     }
 
     fn poll(&mut self) -> Option<Incoming> {

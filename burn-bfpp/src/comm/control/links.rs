@@ -154,9 +154,14 @@ impl Router {
         Ok((router, sockets))
     }
 
-    /// Sends `bytes` from this rank to `peer` (another rank).
-    pub(super) fn post(&self, peer: usize, bytes: &[u8]) {
-        let body = frame(DATA, self.tree.rank, peer, bytes);
+    /// Sends `bytes` from this rank to `peer`: into its own inbox if `peer` is this rank.
+    pub(super) fn post(&self, peer: usize, bytes: Vec<u8>) {
+        let rank = self.tree.rank;
+        if peer == rank {
+            self.deliver(Incoming::Message { from: rank, bytes });
+            return;
+        }
+        let body = frame(DATA, rank, peer, &bytes);
         self.send(self.tree.next_hop(peer), body);
     }
 
